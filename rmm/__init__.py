@@ -1,0 +1,1 @@
+"""Perplexity under a bounded KV memory: a harness for KV-cache eviction policies."""

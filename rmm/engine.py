@@ -1,0 +1,129 @@
+"""The streaming engine: one document, chunk by chunk, through a causal LM with a bounded memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from rmm import integration
+from rmm.future import FutureRequests, RequestRecorder
+from rmm.memory import SlotMemory
+from rmm.policies import Policy, QueryBatch
+from rmm.policies.window import Window
+
+# observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
+AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# boundary hook(memory, now) called before each decision, e.g. for diagnostics
+BoundaryHook = Callable[[SlotMemory, int], None]
+
+
+@dataclass
+class StreamResult:
+    """Per-token outcome of one stream of n tokens.
+
+    nll : [n - 1] float32, -log p(x_{p} | query p-1) for p = 1..n-1.
+    correct : [n - 1] bool, argmax of query p-1 equals x_p.
+    """
+
+    nll: torch.Tensor
+    correct: torch.Tensor
+    attended_total: float
+    evicted_age_sum: float
+    evicted_count: int
+
+
+class StreamingEngine:
+    """Streams token sequences through ``model`` under ``policy`` with budget B and chunk C.
+
+    The model's attention is switched to :func:`rmm.integration.bounded_attention`; the model's own
+    KV cache is not used.
+    """
+
+    def __init__(self, model: PreTrainedModel, policy: Policy, positions: str = "original",
+                 scope: str = "head"):
+        integration.install(model)
+        self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
+        config = model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n_heads = text_config.num_attention_heads
+        self.shape = (
+            text_config.num_hidden_layers,
+            getattr(text_config, "num_key_value_heads", None) or n_heads,
+            getattr(text_config, "head_dim", None) or text_config.hidden_size // n_heads,
+        )
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.rotary = integration.Rotary(model).to(self.device)
+
+    def new_memory(self, n_tokens: int, record_attention: bool) -> SlotMemory:
+        chunk = min(self.policy.chunk, n_tokens)
+        retained = n_tokens if self.policy.budget is None else self.policy.capacity
+        return SlotMemory(self.policy, self.shape, retained, chunk, self.positions, self.scope, self.rotary,
+                          self.dtype, self.device, record_attention)
+
+    @torch.no_grad()
+    def stream(self, tokens: torch.Tensor, observer: AttentionObserver | None = None,
+               on_boundary: BoundaryHook | None = None) -> StreamResult:
+        """Score every next-token prediction of ``tokens`` [n] (n >= 2)."""
+        n = tokens.numel()
+        if n < 2:
+            raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
+        tokens = tokens.to(self.device)
+        record = self.policy.needs_attention or observer is not None
+        memory = self.new_memory(n, record)
+        nll = torch.empty(n - 1, device=self.device)
+        correct = torch.empty(n - 1, dtype=torch.bool, device=self.device)
+        attended, age_sum, n_evicted = 0.0, 0.0, 0
+        for start in range(0, n, self.policy.chunk):
+            stop = min(start + self.policy.chunk, n)
+            query_pos = torch.arange(start, stop, device=self.device)
+            position_ids = memory.begin_chunk(query_pos)
+            logits = self.model(input_ids=tokens[None, start:stop], position_ids=position_ids[None],
+                                kv_memory=memory, use_cache=False).logits[0].float()  # [Q, V]
+            n_scored = min(stop, n - 1) - start
+            log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
+            targets = tokens[start + 1 : start + 1 + n_scored]
+            token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
+            token_correct = log_probs.argmax(dim=-1) == targets
+            nll[start : start + n_scored] = token_nll
+            correct[start : start + n_scored] = token_correct
+            attended += memory.attended_total()
+            if record:
+                queries = _query_batch(query_pos, token_nll, token_correct)
+                if self.policy.needs_attention:
+                    self.policy.observe(memory.state_view(), memory.chunk_attention(),
+                                        memory.chunk_key_pos(), queries)
+                if observer is not None:
+                    observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
+            if stop < n:
+                if on_boundary is not None:
+                    on_boundary(memory, stop)
+                ages = memory.boundary(stop)
+                age_sum += float(ages.sum())
+                n_evicted += ages.numel()
+        return StreamResult(nll.float().cpu(), correct.cpu(), attended, age_sum, n_evicted)
+
+
+def _query_batch(query_pos: torch.Tensor, nll: torch.Tensor, correct: torch.Tensor) -> QueryBatch:
+    """Pad the per-query outcomes to the chunk length (the document's last query has no target)."""
+    pad = query_pos.numel() - nll.numel()
+    prob = torch.nn.functional.pad(torch.exp(-nll), (0, pad))
+    hit = torch.nn.functional.pad(correct.float(), (0, pad))
+    return QueryBatch(positions=query_pos, correct=hit, prob=prob)
+
+
+def record_future(model: PreTrainedModel, tokens: torch.Tensor, tau: float, context: int,
+                  chunk: int = 256) -> FutureRequests:
+    """The oracle's reference pass: who attends to whom, under full attention over the last ``context``.
+
+    Streams ``tokens`` with a ``window`` of ``context`` positions (exact full attention when the stream
+    is no longer than ``context``), original positions, and records every (query, key) pair whose
+    attention is at least ``tau``.
+    """
+    recorder = RequestRecorder(tau)
+    window = Window(budget=context, chunk=min(chunk, context))
+    StreamingEngine(model, window).stream(tokens, observer=recorder)
+    return recorder.finish(tokens.numel())

@@ -1,0 +1,78 @@
+"""Future reuse recorded by a reference pass: who attends to whom, as sparse request events.
+
+Key j is *requested* by query s when the reference pass's attention a*_s(j) (GQA group summed) is at
+least ``tau``. Events are stored sorted by a single int64 code ((layer * H + head) * N + j) * N + s,
+so next-request times and remaining attention mass are one ``searchsorted`` away.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FutureRequests:
+    """Sparse reference attention of one document of ``n_tokens`` tokens.
+
+    Parameters
+    ----------
+    codes : [E] int64 event codes ((layer * n_heads + head) * n_tokens + key) * n_tokens + query.
+    mass : [E] float reference attention of each event.
+    """
+
+    def __init__(self, n_layers: int, n_heads: int, n_tokens: int, codes: torch.Tensor, mass: torch.Tensor):
+        order = torch.argsort(codes)
+        self.n_layers, self.n_heads, self.n_tokens = n_layers, n_heads, n_tokens
+        self.codes = codes[order]
+        self.cum_mass = torch.cat([mass.new_zeros(1), mass[order].double().cumsum(0)])
+
+    def _bases(self, key_pos: torch.Tensor) -> torch.Tensor:
+        n_layers, n_heads, _ = key_pos.shape
+        lh = (torch.arange(n_layers, device=key_pos.device)[:, None] * n_heads
+              + torch.arange(n_heads, device=key_pos.device)[None, :])[..., None]
+        return (lh * self.n_tokens + key_pos.clamp(min=0)) * self.n_tokens
+
+    def next_request(self, key_pos: torch.Tensor, now: int) -> torch.Tensor:
+        """First query s >= now requesting each key [L, H, S]; ``n_tokens`` when never requested."""
+        base = self._bases(key_pos).to(self.codes.device)
+        idx = torch.searchsorted(self.codes, base + now).clamp(max=max(len(self.codes) - 1, 0))
+        if len(self.codes) == 0:
+            return torch.full_like(key_pos, self.n_tokens)
+        hit = self.codes[idx]
+        found = (hit >= base + now) & (hit < base + self.n_tokens)
+        return torch.where(found, hit - base, torch.full_like(hit, self.n_tokens)).to(key_pos.device)
+
+    def remaining_mass(self, key_pos: torch.Tensor, now: int) -> torch.Tensor:
+        """Sum of recorded reference attention on each key from queries s >= now: [L, H, S]."""
+        base = self._bases(key_pos).to(self.codes.device)
+        start = torch.searchsorted(self.codes, base + now)
+        stop = torch.searchsorted(self.codes, base + self.n_tokens)
+        return (self.cum_mass[stop] - self.cum_mass[start]).float().to(key_pos.device)
+
+
+class RequestRecorder:
+    """Collects events (attention >= tau) chunk by chunk during a reference pass."""
+
+    def __init__(self, tau: float):
+        if tau <= 0:
+            raise ValueError(f"oracle.tau must be > 0, got {tau}")
+        self.tau = tau
+        self.events: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.shape: tuple[int, int] | None = None
+
+    def __call__(self, attn: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor) -> None:
+        """attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]."""
+        n_layers, n_heads = attn.shape[:2]
+        self.shape = (n_layers, n_heads)
+        layer, head, q, s = torch.nonzero(attn >= self.tau, as_tuple=True)
+        keys = key_pos[layer, head, s]
+        queries = query_pos[q]
+        self.events.append((torch.stack([layer * n_heads + head, keys, queries]).cpu(),
+                            attn[layer, head, q, s].float().cpu()))
+
+    def finish(self, n_tokens: int) -> FutureRequests:
+        assert self.shape is not None, "the reference pass recorded nothing"
+        triples = torch.cat([e[0] for e in self.events], dim=1)
+        mass = torch.cat([e[1] for e in self.events])
+        lh, keys, queries = triples
+        codes = (lh * n_tokens + keys) * n_tokens + queries
+        return FutureRequests(*self.shape, n_tokens, codes, mass)

@@ -1,0 +1,187 @@
+"""A fixed-size slot memory per (layer, KV head): retained entries plus the current chunk.
+
+Layout along the slot axis: ``[0, R)`` retained entries, kept sorted by original position with empty
+slots (position -1) last, then ``[R, R + Q)`` the chunk being processed. Its size never depends on the
+stream length. Positions:
+
+- ``original``: keys are stored as the model rotated them, at their original positions.
+- ``cache`` (StreamingLLM's re-indexing): retained keys are numbered by rank and queries continue
+  after them. Score-based policies keep a boundary's set fixed for the whole chunk, so ranks are the
+  same for every query: keys are stored unrotated and rotated to their rank at use. Position rules
+  (window, streaming_llm) change the set per query; there the relative distance of every non-sink key
+  equals its original distance, and only the sinks need the query re-rotated to its rank min(t, B),
+  which is done exactly per query (see :mod:`rmm.integration`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rmm.integration import Rotary
+from rmm.policies import Policy
+
+POSITIONS = ("original", "cache")
+SCOPES = ("head", "layer", "global")
+
+
+class SlotMemory:
+    """Bounded KV memory for one stream; the attention function reads and writes it layer by layer.
+
+    Parameters
+    ----------
+    shape : (n_layers, n_kv_heads, head_dim).
+    retained : R, slots for entries kept across boundaries (B for position rules, B - C + 1 otherwise).
+    chunk : C, slots for the chunk.
+    """
+
+    def __init__(self, policy: Policy, shape: tuple[int, int, int], retained: int, chunk: int,
+                 positions: str, scope: str, rotary: Rotary, dtype: torch.dtype, device: torch.device,
+                 record_attention: bool):
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        n_layers, n_heads, head_dim = shape
+        slots = retained + chunk
+        self.policy, self.retained, self.positions, self.scope = policy, retained, positions, scope
+        self.rotary = rotary
+        self.store_unrotated = positions == "cache" and not policy.per_query
+        self.record_attention = record_attention
+        self.keys = torch.zeros(n_layers, n_heads, slots, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.key_pos = torch.full((n_layers, n_heads, slots), -1, dtype=torch.long, device=device)
+        self.state = {name: torch.zeros(n_layers, n_heads, slots, device=device) for name in policy.state_names}
+        self.attn = (torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None)
+        self.n_sink_slots = getattr(policy, "sinks", 0) if positions == "cache" and policy.per_query else 0
+        self.rank_pos = torch.arange(retained, device=device)
+        # filled by begin_chunk
+        self.query_pos = torch.empty(0, dtype=torch.long, device=device)
+        self.model_pos = self.query_pos
+        self._allowed = torch.empty(0, dtype=torch.bool, device=device)
+        self._sink_delta: torch.Tensor | None = None
+
+    # ---- chunk setup (engine) -------------------------------------------------------------------
+    def begin_chunk(self, query_pos: torch.Tensor) -> torch.Tensor:
+        """Prepare slots and masks for queries at original positions ``query_pos`` [Q].
+
+        Returns the position ids [Q] to feed the model.
+        """
+        n_q, end = query_pos.numel(), self.retained + query_pos.numel()
+        self.query_pos = query_pos
+        self.key_pos[:, :, self.retained:] = -1
+        self.key_pos[:, :, self.retained:end] = query_pos
+        for tensor in self.state.values():
+            tensor[:, :, self.retained:] = 0
+        key_pos = self.key_pos[:, :, :end]
+        if self.policy.per_query:
+            shared = key_pos[:1, :1]  # position rules give every layer and head the same set
+            allowed = (shared[..., None, :] >= 0) & (shared[..., None, :] <= query_pos[:, None])
+            self._allowed = allowed & self.policy.allowed(query_pos, shared)
+        else:
+            self._allowed = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= query_pos[:, None])
+        if self.n_sink_slots:
+            delta = query_pos.clamp(max=self.policy.budget) - query_pos  # rank min(t, B) minus t
+            self._sink_delta = delta if bool((delta != 0).any()) else None
+        if self.store_unrotated:
+            n_kept = int((self.key_pos[0, 0, : self.retained] >= 0).sum())
+            self.model_pos = n_kept + torch.arange(n_q, device=query_pos.device)
+        else:
+            self.model_pos = query_pos
+        return self.model_pos
+
+    # ---- attention function (per layer) ----------------------------------------------------------
+    def attend_keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """Store the chunk's key/value [H, Q, D]; return the keys and values to attend [H, R + Q, D]."""
+        end = self.retained + key.shape[1]
+        self.values[layer, :, self.retained:end] = value
+        if not self.store_unrotated:
+            self.keys[layer, :, self.retained:end] = key
+            return self.keys[layer, :, :end], self.values[layer, :, :end]
+        self.keys[layer, :, self.retained:end] = self.rotary.rotate(key, -self.model_pos)
+        kept = self.rotary.rotate(self.keys[layer, :, : self.retained], self.rank_pos)
+        return torch.cat([kept, key], dim=1), self.values[layer, :, :end]
+
+    def allowed_mask(self, layer: int) -> torch.Tensor:
+        """bool [H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
+        return self._allowed[0] if self._allowed.shape[0] == 1 else self._allowed[layer]
+
+    def sink_query(self, query: torch.Tensor) -> torch.Tensor | None:
+        """Queries [H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed."""
+        if self._sink_delta is None:
+            return None
+        return self.rotary.rotate(query, self._sink_delta)
+
+    def store_attention(self, layer: int, probs: torch.Tensor) -> None:
+        """Attention probabilities [H, Q, R + Q] of the chunk's queries, GQA group summed."""
+        self.attn[layer, :, : probs.shape[1], : probs.shape[2]] = probs
+
+    # ---- statistics (engine) -------------------------------------------------------------------
+    def chunk_attention(self) -> torch.Tensor:
+        """[L, H, Q, R + Q] attention of the last chunk."""
+        n_q = self.query_pos.numel()
+        return self.attn[:, :, :n_q, : self.retained + n_q]
+
+    def chunk_key_pos(self) -> torch.Tensor:
+        """[L, H, R + Q] original positions of the candidate slots (-1 empty)."""
+        return self.key_pos[:, :, : self.retained + self.query_pos.numel()]
+
+    def state_view(self) -> dict[str, torch.Tensor]:
+        """The policy's per-slot statistics over the candidate slots, [L, H, R + Q] each (views)."""
+        n = self.retained + self.query_pos.numel()
+        return {name: tensor[:, :, :n] for name, tensor in self.state.items()}
+
+    def attended_total(self) -> float:
+        """Past entries (itself excluded) attended by the chunk's queries, averaged over layers and
+        heads, summed over queries."""
+        return float((self._allowed.sum(dim=-1) - 1).float().mean(dim=(0, 1)).sum())
+
+    # ---- boundary (engine) ---------------------------------------------------------------------
+    def boundary(self, now: int) -> torch.Tensor:
+        """Decide what the memory keeps before query ``now``; returns ages of evicted entries [E]."""
+        key_pos = self.chunk_key_pos()
+        valid = key_pos >= 0
+        if self.policy.per_query:
+            keep = valid & self.policy.allowed(torch.tensor([now], device=key_pos.device), key_pos)[..., 0, :]
+        else:
+            scores = self._share(self.policy.score(self.state_view(), key_pos, now).float())
+            keep = valid & (_rank(scores, key_pos, valid) < self.policy.capacity)
+        evicted_age = (now - key_pos)[valid & ~keep]
+        self._compact(keep, key_pos)
+        return evicted_age
+
+    def _share(self, scores: torch.Tensor) -> torch.Tensor:
+        """Combine scores over heads (scope=layer) or layers and heads (scope=global)."""
+        if self.scope == "head":
+            return scores
+        dims = (1,) if self.scope == "layer" else (0, 1)
+        if self.policy.scope_reduce == "max":
+            shared = scores.amax(dim=dims, keepdim=True)
+        else:
+            shared = scores.sum(dim=dims, keepdim=True)
+        return shared.expand_as(scores)
+
+    def _compact(self, keep: torch.Tensor, key_pos: torch.Tensor) -> None:
+        """Move kept slots to the front of the retained region, sorted by position."""
+        order_key = torch.where(keep, key_pos, torch.full_like(key_pos, torch.iinfo(torch.long).max))
+        index = torch.argsort(order_key, dim=-1, stable=True)[..., : self.retained]  # [L, H, R]
+        kept = torch.gather(keep, -1, index)
+        new_pos = torch.where(kept, torch.gather(key_pos, -1, index), torch.full_like(index, -1))
+        gather4 = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        n = key_pos.shape[-1]
+        self.keys[:, :, : self.retained] = torch.gather(self.keys[:, :, :n], 2, gather4)
+        self.values[:, :, : self.retained] = torch.gather(self.values[:, :, :n], 2, gather4)
+        for tensor in self.state.values():
+            tensor[:, :, : self.retained] = torch.gather(tensor[:, :, :n], -1, index)
+        self.key_pos[:, :, : self.retained] = new_pos
+
+
+def _rank(scores: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Rank of every slot [L, H, S]: valid first, then higher score, then more recent position."""
+    order = torch.argsort(key_pos, dim=-1, descending=True, stable=True)
+    order = torch.gather(order, -1, torch.argsort(torch.gather(scores, -1, order), dim=-1,
+                                                  descending=True, stable=True))
+    order = torch.gather(order, -1, torch.argsort(torch.gather(valid, -1, order).to(torch.int8), dim=-1,
+                                                  descending=True, stable=True))
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return rank

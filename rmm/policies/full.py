@@ -1,0 +1,21 @@
+"""full: every past position is visible, R_t = {0..t-1} (no budget)."""
+
+from dataclasses import dataclass
+
+import torch
+
+from rmm.policies.base import Policy
+
+
+@dataclass
+class Full(Policy):
+    name = "full"
+    per_query = True
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+
+    def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        return torch.ones(*key_pos.shape[:-1], query_pos.numel(), key_pos.shape[-1], dtype=torch.bool,
+                          device=key_pos.device)

@@ -1,0 +1,46 @@
+"""random: a recent window plus a seeded, uniformly random subset of older positions.
+
+Each (layer, head, position) gets a fixed pseudo-random priority from a hash of the seed, so the
+choice is reproducible, independent of the chunk size, and eviction stays permanent.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from rmm.policies.base import Policy, protect_recent
+
+_MASK52 = (1 << 52) - 1
+
+
+def hashed_uniform(seed: int, key_pos: torch.Tensor) -> torch.Tensor:
+    """A uniform [0, 1) priority per (layer, head, position) for ``key_pos`` [L, H, S] (splitmix64)."""
+    n_layers, n_heads, _ = key_pos.shape
+    layer = torch.arange(n_layers, device=key_pos.device)[:, None, None]
+    head = torch.arange(n_heads, device=key_pos.device)[None, :, None]
+    x = ((seed * 1_000_003 + layer) * 1_000_003 + head) * 1_000_003 + key_pos
+    x = x + 0x1E3779B97F4A7C15  # int64 arithmetic wraps, as splitmix64 expects
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * 0x3F58476D1CE4E5B9
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * 0x14D049BB133111EB
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return ((x >> 11) & _MASK52).double() / float(1 << 52)
+
+
+@dataclass
+class RandomSubset(Policy):
+    rho: float = 0.5
+    seed: int = 0
+
+    name = "random"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.rho < 1.0:
+            raise ValueError(f"policy.rho must be in [0, 1), got {self.rho}")
+
+    @property
+    def protected(self) -> int:
+        return int(self.rho * self.capacity)
+
+    def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:
+        return protect_recent(hashed_uniform(self.seed, key_pos).float(), key_pos, now, self.protected)
