@@ -28,7 +28,6 @@ import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    GgufConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -168,7 +167,7 @@ def _load_hub(
         why = (
             "offline mode is set (HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE)"
             if offline
-            else "the hub is unreachable"
+            else "the hub could not be reached or refused it"
         )
         at = f"{hub_id}@{revision}" if revision else hub_id
         rev = f" --revision {revision}" if revision else ""
@@ -224,9 +223,15 @@ def _gguf_cache(package: str, gguf_file: str) -> Path:
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise ``gguf`` to float32 and save model and tokenizer as a plain checkpoint in ``out``."""
+    # Recent transformers may keep GGUF weights packed: ask for dense ones (older versions always dequantise).
+    dense = (
+        {"quantization_config": transformers.GgufConfig(dequantize=True)}
+        if hasattr(transformers, "GgufConfig")
+        else {}
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **dense
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

