@@ -364,7 +364,7 @@ def _require_hub(source: str, hub_id: str, spec: _HubSpec) -> None:
         host, port = _hub_address(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
         if _reachable(host, port, HUB_TIMEOUT_S):
             return
-        reason = f"no connection to {host}:{port} within {HUB_TIMEOUT_S:g} s"
+        reason = f"cannot connect to {host}:{port}, timeout {HUB_TIMEOUT_S:g} s"
     raise DatasetUnavailableError(_unavailable(source, hub_id, spec, reason))
 
 
