@@ -114,7 +114,8 @@ def write_run(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
     table = _tokens_table(tokens)
-    atomic_write_text(run_dir / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
+    plain_config = json.loads(json.dumps(dict(config), default=_json_default))  # tuples, numpy, paths
+    atomic_write_text(run_dir / CONFIG_FILE, yaml.safe_dump(plain_config, sort_keys=False))
     with atomic_path(run_dir / TOKENS_FILE) as tmp:
         pq.write_table(table, tmp)
     atomic_write_text(
