@@ -16,8 +16,8 @@ from rmm.policies.window import Window
 
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-# boundary hook(memory, now) called before each decision, e.g. for diagnostics
-BoundaryHook = Callable[[SlotMemory, int], None]
+# boundary hook(memory, now, evicted [L, H, S], -1 where kept) called after each decision
+BoundaryHook = Callable[[SlotMemory, int, torch.Tensor], None]
 
 
 @dataclass
@@ -99,11 +99,12 @@ class StreamingEngine:
                 if observer is not None:
                     observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
             if stop < n:
+                evicted = memory.boundary(stop)
+                evicted_pos = evicted[evicted >= 0]
+                age_sum += float((stop - evicted_pos).sum())
+                n_evicted += evicted_pos.numel()
                 if on_boundary is not None:
-                    on_boundary(memory, stop)
-                ages = memory.boundary(stop)
-                age_sum += float(ages.sum())
-                n_evicted += ages.numel()
+                    on_boundary(memory, stop, evicted)
         return StreamResult(nll.float().cpu(), correct.cpu(), attended, age_sum, n_evicted)
 
 

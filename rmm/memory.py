@@ -125,6 +125,10 @@ class SlotMemory:
         """[L, H, R + Q] original positions of the candidate slots (-1 empty)."""
         return self.key_pos[:, :, : self.retained + self.query_pos.numel()]
 
+    def retained_positions(self) -> torch.Tensor:
+        """[L, H, R] positions held across the last boundary (-1 empty)."""
+        return self.key_pos[:, :, : self.retained]
+
     def state_view(self) -> dict[str, torch.Tensor]:
         """The policy's per-slot statistics over the candidate slots, [L, H, R + Q] each (views)."""
         n = self.retained + self.query_pos.numel()
@@ -137,7 +141,10 @@ class SlotMemory:
 
     # ---- boundary (engine) ---------------------------------------------------------------------
     def boundary(self, now: int) -> torch.Tensor:
-        """Decide what the memory keeps before query ``now``; returns ages of evicted entries [E]."""
+        """Decide what the memory keeps before query ``now``.
+
+        Returns the evicted positions [L, H, R + Q] (-1 where nothing was evicted).
+        """
         key_pos = self.chunk_key_pos()
         valid = key_pos >= 0
         if self.policy.per_query:
@@ -145,9 +152,9 @@ class SlotMemory:
         else:
             scores = self._share(self.policy.score(self.state_view(), key_pos, now).float())
             keep = valid & (_rank(scores, key_pos, valid) < self.policy.capacity)
-        evicted_age = (now - key_pos)[valid & ~keep]
+        evicted = torch.where(valid & ~keep, key_pos, torch.full_like(key_pos, -1))
         self._compact(keep, key_pos)
-        return evicted_age
+        return evicted
 
     def _share(self, scores: torch.Tensor) -> torch.Tensor:
         """Combine scores over heads (scope=layer) or layers and heads (scope=global)."""

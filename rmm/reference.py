@@ -76,7 +76,7 @@ def reference_stream(model: PreTrainedModel, tokens: torch.Tensor, spec: Referen
             keys = rotary.rotate(raw_keys[layer][index, heads], key_pos)  # [H, m, D]
             cache.update(keys[None], values[layer][index, heads][None], layer)
         query_pos = t if spec.positions == "original" else m
-        out = model(tokens[None, t : t + 1], position_ids=torch.tensor([[query_pos]]), past_key_values=cache,
+        out = model(tokens[None, t : t + 1], position_ids=torch.tensor([[query_pos]]), cache=cache,
                     use_cache=True, output_attentions=True)
         for layer in range(n_layers):
             new_key = out.past_key_values.layers[layer].keys[0, :, -1]  # [H, D], rotated at query_pos

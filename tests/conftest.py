@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random models built locally (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=61,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
+    """A small random causal LM whose attention is peaked enough for eviction to matter."""
+    config_cls, model_cls = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    extra = {"sliding_window": None} if arch == "mistral" else {}
+    return model_cls(config_cls(**{**TINY, **extra, **overrides})).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, PreTrainedModel]:
+    return {arch: tiny_model(arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (48,), generator=torch.Generator().manual_seed(1))
