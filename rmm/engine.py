@@ -16,7 +16,9 @@ from rmm.policies.window import Window
 
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-# boundary hook(memory, now, evicted [L, H, S], -1 where kept) called after each decision
+# called before each decision: (memory, now)
+DecisionHook = Callable[[SlotMemory, int], None]
+# called after each decision: (memory, now, evicted [L, H, S] with -1 where kept)
 BoundaryHook = Callable[[SlotMemory, int, torch.Tensor], None]
 
 
@@ -42,8 +44,9 @@ class StreamingEngine:
     KV cache is not used.
     """
 
-    def __init__(self, model: PreTrainedModel, policy: Policy, positions: str = "original",
-                 scope: str = "head"):
+    def __init__(
+        self, model: PreTrainedModel, policy: Policy, positions: str = "original", scope: str = "head"
+    ):
         integration.install(model)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         config = model.config
@@ -61,12 +64,27 @@ class StreamingEngine:
     def new_memory(self, n_tokens: int, record_attention: bool) -> SlotMemory:
         chunk = min(self.policy.chunk, n_tokens)
         retained = n_tokens if self.policy.budget is None else self.policy.capacity
-        return SlotMemory(self.policy, self.shape, retained, chunk, self.positions, self.scope, self.rotary,
-                          self.dtype, self.device, record_attention)
+        return SlotMemory(
+            self.policy,
+            self.shape,
+            retained,
+            chunk,
+            self.positions,
+            self.scope,
+            self.rotary,
+            self.dtype,
+            self.device,
+            record_attention,
+        )
 
     @torch.no_grad()
-    def stream(self, tokens: torch.Tensor, observer: AttentionObserver | None = None,
-               on_boundary: BoundaryHook | None = None) -> StreamResult:
+    def stream(
+        self,
+        tokens: torch.Tensor,
+        observer: AttentionObserver | None = None,
+        before_boundary: DecisionHook | None = None,
+        on_boundary: BoundaryHook | None = None,
+    ) -> StreamResult:
         """Score every next-token prediction of ``tokens`` [n] (n >= 2)."""
         n = tokens.numel()
         if n < 2:
@@ -81,8 +99,16 @@ class StreamingEngine:
             stop = min(start + self.policy.chunk, n)
             query_pos = torch.arange(start, stop, device=self.device)
             position_ids = memory.begin_chunk(query_pos)
-            logits = self.model(input_ids=tokens[None, start:stop], position_ids=position_ids[None],
-                                kv_memory=memory, use_cache=False).logits[0].float()  # [Q, V]
+            logits = (
+                self.model(
+                    input_ids=tokens[None, start:stop],
+                    position_ids=position_ids[None],
+                    kv_memory=memory,
+                    use_cache=False,
+                )
+                .logits[0]
+                .float()
+            )  # [Q, V]
             n_scored = min(stop, n - 1) - start
             log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
             targets = tokens[start + 1 : start + 1 + n_scored]
@@ -94,11 +120,14 @@ class StreamingEngine:
             if record:
                 queries = _query_batch(query_pos, token_nll, token_correct)
                 if self.policy.needs_attention:
-                    self.policy.observe(memory.state_view(), memory.chunk_attention(),
-                                        memory.chunk_key_pos(), queries)
+                    self.policy.observe(
+                        memory.state_view(), memory.chunk_attention(), memory.chunk_key_pos(), queries
+                    )
                 if observer is not None:
                     observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
             if stop < n:
+                if before_boundary is not None:
+                    before_boundary(memory, stop)
                 evicted = memory.boundary(stop)
                 evicted_pos = evicted[evicted >= 0]
                 age_sum += float((stop - evicted_pos).sum())
@@ -116,8 +145,9 @@ def _query_batch(query_pos: torch.Tensor, nll: torch.Tensor, correct: torch.Tens
     return QueryBatch(positions=query_pos, correct=hit, prob=prob)
 
 
-def record_future(model: PreTrainedModel, tokens: torch.Tensor, tau: float, context: int,
-                  chunk: int = 256) -> FutureRequests:
+def record_future(
+    model: PreTrainedModel, tokens: torch.Tensor, tau: float, context: int, chunk: int = 256
+) -> FutureRequests:
     """The oracle's reference pass: who attends to whom, under full attention over the last ``context``.
 
     Streams ``tokens`` with a ``window`` of ``context`` positions (exact full attention when the stream

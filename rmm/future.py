@@ -27,8 +27,10 @@ class FutureRequests:
 
     def _bases(self, key_pos: torch.Tensor) -> torch.Tensor:
         n_layers, n_heads, _ = key_pos.shape
-        lh = (torch.arange(n_layers, device=key_pos.device)[:, None] * n_heads
-              + torch.arange(n_heads, device=key_pos.device)[None, :])[..., None]
+        lh = (
+            torch.arange(n_layers, device=key_pos.device)[:, None] * n_heads
+            + torch.arange(n_heads, device=key_pos.device)[None, :]
+        )[..., None]
         return (lh * self.n_tokens + key_pos.clamp(min=0)) * self.n_tokens
 
     def next_request(self, key_pos: torch.Tensor, now: int) -> torch.Tensor:
@@ -66,8 +68,12 @@ class RequestRecorder:
         layer, head, q, s = torch.nonzero(attn >= self.tau, as_tuple=True)
         keys = key_pos[layer, head, s]
         queries = query_pos[q]
-        self.events.append((torch.stack([layer * n_heads + head, keys, queries]).cpu(),
-                            attn[layer, head, q, s].float().cpu()))
+        self.events.append(
+            (
+                torch.stack([layer * n_heads + head, keys, queries]).cpu(),
+                attn[layer, head, q, s].float().cpu(),
+            )
+        )
 
     def finish(self, n_tokens: int) -> FutureRequests:
         assert self.shape is not None, "the reference pass recorded nothing"

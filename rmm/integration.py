@@ -94,7 +94,9 @@ def bounded_attention(
         logits = torch.matmul(q, keys[:, None].transpose(-1, -2)).float() * scaling  # [H, G, Q, S]
         if sink_query is not None:
             n_sinks = kv_memory.n_sink_slots
-            sink_logits = torch.matmul(sink_query, keys[:, None, :n_sinks].transpose(-1, -2)).float() * scaling
+            sink_logits = (
+                torch.matmul(sink_query, keys[:, None, :n_sinks].transpose(-1, -2)).float() * scaling
+            )
             logits[..., :n_sinks] = sink_logits
         logits = logits.masked_fill(~allowed[:, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)

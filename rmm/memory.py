@@ -34,9 +34,19 @@ class SlotMemory:
     chunk : C, slots for the chunk.
     """
 
-    def __init__(self, policy: Policy, shape: tuple[int, int, int], retained: int, chunk: int,
-                 positions: str, scope: str, rotary: Rotary, dtype: torch.dtype, device: torch.device,
-                 record_attention: bool):
+    def __init__(
+        self,
+        policy: Policy,
+        shape: tuple[int, int, int],
+        retained: int,
+        chunk: int,
+        positions: str,
+        scope: str,
+        rotary: Rotary,
+        dtype: torch.dtype,
+        device: torch.device,
+        record_attention: bool,
+    ):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
         if scope not in SCOPES:
@@ -50,8 +60,10 @@ class SlotMemory:
         self.keys = torch.zeros(n_layers, n_heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.key_pos = torch.full((n_layers, n_heads, slots), -1, dtype=torch.long, device=device)
-        self.state = {name: torch.zeros(n_layers, n_heads, slots, device=device) for name in policy.state_names}
-        self.attn = (torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None)
+        self.state = {
+            name: torch.zeros(n_layers, n_heads, slots, device=device) for name in policy.state_names
+        }
+        self.attn = torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None
         self.n_sink_slots = getattr(policy, "sinks", 0) if positions == "cache" and policy.per_query else 0
         self.rank_pos = torch.arange(retained, device=device)
         # filled by begin_chunk
@@ -68,10 +80,10 @@ class SlotMemory:
         """
         n_q, end = query_pos.numel(), self.retained + query_pos.numel()
         self.query_pos = query_pos
-        self.key_pos[:, :, self.retained:] = -1
-        self.key_pos[:, :, self.retained:end] = query_pos
+        self.key_pos[:, :, self.retained :] = -1
+        self.key_pos[:, :, self.retained : end] = query_pos
         for tensor in self.state.values():
-            tensor[:, :, self.retained:] = 0
+            tensor[:, :, self.retained :] = 0
         key_pos = self.key_pos[:, :, :end]
         if self.policy.per_query:
             shared = key_pos[:1, :1]  # position rules give every layer and head the same set
@@ -93,11 +105,11 @@ class SlotMemory:
     def attend_keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Store the chunk's key/value [H, Q, D]; return the keys and values to attend [H, R + Q, D]."""
         end = self.retained + key.shape[1]
-        self.values[layer, :, self.retained:end] = value
+        self.values[layer, :, self.retained : end] = value
         if not self.store_unrotated:
-            self.keys[layer, :, self.retained:end] = key
+            self.keys[layer, :, self.retained : end] = key
             return self.keys[layer, :, :end], self.values[layer, :, :end]
-        self.keys[layer, :, self.retained:end] = self.rotary.rotate(key, -self.model_pos)
+        self.keys[layer, :, self.retained : end] = self.rotary.rotate(key, -self.model_pos)
         kept = self.rotary.rotate(self.keys[layer, :, : self.retained], self.rank_pos)
         return torch.cat([kept, key], dim=1), self.values[layer, :, :end]
 
@@ -185,10 +197,14 @@ class SlotMemory:
 def _rank(scores: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Rank of every slot [L, H, S]: valid first, then higher score, then more recent position."""
     order = torch.argsort(key_pos, dim=-1, descending=True, stable=True)
-    order = torch.gather(order, -1, torch.argsort(torch.gather(scores, -1, order), dim=-1,
-                                                  descending=True, stable=True))
-    order = torch.gather(order, -1, torch.argsort(torch.gather(valid, -1, order).to(torch.int8), dim=-1,
-                                                  descending=True, stable=True))
+    order = torch.gather(
+        order, -1, torch.argsort(torch.gather(scores, -1, order), dim=-1, descending=True, stable=True)
+    )
+    order = torch.gather(
+        order,
+        -1,
+        torch.argsort(torch.gather(valid, -1, order).to(torch.int8), dim=-1, descending=True, stable=True),
+    )
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return rank

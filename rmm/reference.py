@@ -76,8 +76,13 @@ def reference_stream(model: PreTrainedModel, tokens: torch.Tensor, spec: Referen
             keys = rotary.rotate(raw_keys[layer][index, heads], key_pos)  # [H, m, D]
             cache.update(keys[None], values[layer][index, heads][None], layer)
         query_pos = t if spec.positions == "original" else m
-        out = model(tokens[None, t : t + 1], position_ids=torch.tensor([[query_pos]]), cache=cache,
-                    use_cache=True, output_attentions=True)
+        out = model(
+            tokens[None, t : t + 1],
+            position_ids=torch.tensor([[query_pos]]),
+            cache=cache,
+            use_cache=True,
+            output_attentions=True,
+        )
         for layer in range(n_layers):
             new_key = out.past_key_values.layers[layer].keys[0, :, -1]  # [H, D], rotated at query_pos
             raw_keys[layer, t] = rotary.rotate(new_key, torch.tensor(-query_pos))
@@ -120,15 +125,19 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, stats, last, future, 
     if now % spec.chunk != 0:
         return
     capacity = spec.budget - spec.chunk + 1
-    scores = {(layer, h): {j: _score(spec, layer, h, j, now, capacity, stats, last, future, n)
-                           for j in retained[layer][h]}
-              for layer in range(n_layers) for h in range(n_kv)}
+    scores = {
+        (layer, h): {
+            j: _score(spec, layer, h, j, now, capacity, stats, last, future, n) for j in retained[layer][h]
+        }
+        for layer in range(n_layers)
+        for h in range(n_kv)
+    }
     if spec.scope != "head":
         groups = {}
         for (layer, h), table in scores.items():
             groups.setdefault(layer if spec.scope == "layer" else 0, []).append(table)
         reduce = max if (spec.policy == "oracle" and spec.variant == "next_use") else math.fsum
-        for (layer, h) in scores:
+        for layer, h in scores:
             tables = groups[layer if spec.scope == "layer" else 0]
             scores[(layer, h)] = {j: _combine(reduce, [tab[j] for tab in tables]) for j in scores[(layer, h)]}
     for (layer, h), table in scores.items():
@@ -148,8 +157,9 @@ def _visible(spec: ReferenceSpec, now: int, j: int) -> bool:
     return j < spec.sinks or j >= now - (spec.budget - spec.sinks)
 
 
-def _score(spec: ReferenceSpec, layer: int, h: int, j: int, now: int, capacity: int, stats, last, future,
-           n: int) -> float:
+def _score(
+    spec: ReferenceSpec, layer: int, h: int, j: int, now: int, capacity: int, stats, last, future, n: int
+) -> float:
     if spec.policy in ("h2o", "random") and j >= now - int(spec.rho * capacity):
         return math.inf
     if spec.policy == "rmm" and j >= now - spec.lag:
@@ -159,7 +169,11 @@ def _score(spec: ReferenceSpec, layer: int, h: int, j: int, now: int, capacity: 
     if spec.policy == "tova":
         return float(torch.tensor(last[layer, h, j].item(), dtype=torch.float32))
     if spec.policy == "random":
-        return hashed_uniform(spec.seed, torch.tensor([[[j]]]).expand(layer + 1, h + 1, 1))[layer, h, 0].float().item()
+        return (
+            hashed_uniform(spec.seed, torch.tensor([[[j]]]).expand(layer + 1, h + 1, 1))[layer, h, 0]
+            .float()
+            .item()
+        )
     if spec.policy == "oracle":
         requests = future[layer, h, now:, j]
         if spec.variant == "future_mass":

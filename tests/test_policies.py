@@ -32,7 +32,15 @@ CASES = [
 
 
 def run_engine(
-    model, tokens, name, params, budget=BUDGET, chunk=1, positions="original", scope="head", on_boundary=None,
+    model,
+    tokens,
+    name,
+    params,
+    budget=BUDGET,
+    chunk=1,
+    positions="original",
+    scope="head",
+    on_boundary=None,
     observer=None,
 ):
     policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
@@ -141,7 +149,9 @@ def test_rmm_provisional_buffer_never_evicted(tiny_models, tokens, chunk):
         recent = torch.arange(max(0, now - lag), now)
         assert not torch.isin(evicted, recent).any(), f"a buffered position was evicted at {now}"
         pos = memory.retained_positions()
-        assert all(torch.isin(recent, pos[l_, h_]).all() for l_ in range(pos.shape[0]) for h_ in range(pos.shape[1]))
+        assert all(
+            torch.isin(recent, pos[l_, h_]).all() for l_ in range(pos.shape[0]) for h_ in range(pos.shape[1])
+        )
 
     run_engine(tiny_models["llama"], tokens, "rmm", {"lag": lag}, chunk=chunk, on_boundary=hook)
 

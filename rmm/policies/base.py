@@ -55,7 +55,9 @@ class Policy:
         if self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.chunk > self.budget:
-            raise ValueError(f"chunk ({self.chunk}) must not exceed budget ({self.budget}); set chunk<={self.budget}")
+            raise ValueError(
+                f"chunk ({self.chunk}) must not exceed budget ({self.budget}); set chunk<={self.budget}"
+            )
 
     @property
     def capacity(self) -> int:
@@ -72,8 +74,9 @@ class Policy:
         """Position rule: bool [..., Q, S] for queries [Q] over keys [..., S] (per-query policies)."""
         raise NotImplementedError
 
-    def observe(self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor,
-                queries: QueryBatch) -> None:
+    def observe(
+        self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor, queries: QueryBatch
+    ) -> None:
         """Update ``state`` ([L, H, S] each) in place from attention ``attn`` [L, H, Q, S]."""
 
     def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:

@@ -17,5 +17,6 @@ class Full(Policy):
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
 
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        return torch.ones(*key_pos.shape[:-1], query_pos.numel(), key_pos.shape[-1], dtype=torch.bool,
-                          device=key_pos.device)
+        return torch.ones(
+            *key_pos.shape[:-1], query_pos.numel(), key_pos.shape[-1], dtype=torch.bool, device=key_pos.device
+        )

@@ -29,8 +29,9 @@ class H2O(Policy):
     def protected(self) -> int:
         return int(self.rho * self.capacity)
 
-    def observe(self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor,
-                queries: QueryBatch) -> None:
+    def observe(
+        self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor, queries: QueryBatch
+    ) -> None:
         state["acc"] += weighted_attention(attn, torch.ones_like(queries.prob))
 
     def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:

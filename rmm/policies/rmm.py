@@ -45,8 +45,9 @@ class RMM(Policy):
     def protected(self) -> int:
         return self.lag
 
-    def observe(self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor,
-                queries: QueryBatch) -> None:
+    def observe(
+        self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor, queries: QueryBatch
+    ) -> None:
         weight = {"correct": queries.correct, "prob": queries.prob}.get(self.weight)
         if weight is None:
             weight = torch.ones_like(queries.prob)

@@ -13,8 +13,9 @@ class TOVA(Policy):
     needs_attention = True
     state_names = ("last",)
 
-    def observe(self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor,
-                queries: QueryBatch) -> None:
+    def observe(
+        self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor, queries: QueryBatch
+    ) -> None:
         state["last"].copy_(attn[:, :, -1, :])
 
     def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:

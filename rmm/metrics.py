@@ -1,0 +1,106 @@
+"""What a run reports: aggregation of per-token outcomes and resource measurements."""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+from scipy.stats import spearmanr
+
+from rmm.engine import StreamResult
+
+
+@dataclass
+class RunTotals:
+    """Running sums over the documents of a run."""
+
+    nll_sum: float = 0.0
+    n_scored: int = 0
+    n_correct: int = 0
+    n_queries: int = 0
+    attended_sum: float = 0.0
+    evicted_age_sum: float = 0.0
+    n_evicted: int = 0
+    n_docs: int = 0
+    stream_wall_s: float = 0.0
+    reference_wall_s: float = 0.0
+    estimator_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    token_frames: list[pd.DataFrame] = field(default_factory=list)
+
+    def add(self, doc_id: str, tokens: torch.Tensor, result: StreamResult, wall_s: float) -> None:
+        self.nll_sum += float(result.nll.double().sum())
+        self.n_scored += result.nll.numel()
+        self.n_correct += int(result.correct.sum())
+        self.n_queries += tokens.numel()
+        self.attended_sum += result.attended_total
+        self.evicted_age_sum += result.evicted_age_sum
+        self.n_evicted += result.evicted_count
+        self.n_docs += 1
+        self.stream_wall_s += wall_s
+        self.token_frames.append(token_frame(doc_id, tokens, result))
+
+    @property
+    def running_ppl(self) -> float:
+        return math.exp(self.nll_sum / max(self.n_scored, 1))
+
+
+def token_frame(doc_id: str, tokens: torch.Tensor, result: StreamResult) -> pd.DataFrame:
+    """One row per token: nll and correct of predicting x_p from query p - 1 (null at p = 0)."""
+    n = tokens.numel()
+    nll = pd.array([None, *result.nll.tolist()], dtype="Float32")
+    correct = pd.array([None, *result.correct.tolist()], dtype="boolean")
+    return pd.DataFrame(
+        {"doc_id": doc_id, "position": range(n), "token_id": tokens.tolist(), "nll": nll, "correct": correct}
+    ).astype({"position": "int32", "token_id": "int32"})
+
+
+def kv_cache_bytes(budget: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """B x layers x kv_heads x head_dim x 2 (K and V) x bytes per element."""
+    return budget * n_layers * n_kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA max allocated on a GPU, else the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def estimator_spearman(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    """Spearman correlation between policy scores at commit and the oracle's future reuse, pooled."""
+    if not pairs:
+        return None
+    scores = torch.cat([p[0] for p in pairs]).double().numpy()
+    reuse = torch.cat([p[1] for p in pairs]).double().numpy()
+    if len(scores) < 3:
+        return None
+    value = spearmanr(scores, reuse).statistic
+    return None if math.isnan(value) else float(value)
+
+
+def summarize(totals: RunTotals) -> dict:
+    """The metrics of PROTOCOL.md's last section that come from the stream itself."""
+    return {
+        "ppl": totals.running_ppl,
+        "nll_mean": totals.nll_sum / max(totals.n_scored, 1),
+        "n_tokens": totals.n_scored,
+        "n_docs": totals.n_docs,
+        "tokens_per_s": totals.n_scored / totals.stream_wall_s if totals.stream_wall_s else None,
+        "wall_s": totals.stream_wall_s,
+        "reference_wall_s": totals.reference_wall_s or None,
+        "attended_mean": totals.attended_sum / max(totals.n_queries, 1),
+        "correct_frac": totals.n_correct / max(totals.n_scored, 1),
+        "evicted_age_mean": totals.evicted_age_sum / totals.n_evicted if totals.n_evicted else None,
+        "n_evicted": totals.n_evicted,
+        "estimator_spearman": estimator_spearman(totals.estimator_pairs),
+    }

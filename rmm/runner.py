@@ -1,0 +1,152 @@
+"""One run: config -> model and data -> engine per document -> metrics -> result files and W&B."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from rmm.data import load_documents
+from rmm.engine import StreamingEngine, record_future
+from rmm.future import FutureRequests
+from rmm.memory import POSITIONS, SCOPES, SlotMemory
+from rmm.metrics import RunTotals, kv_cache_bytes, peak_memory_bytes, reset_peak_memory, summarize
+from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
+from rmm.policies import make_policy
+from rmm.storage import environment_info, read_metrics, run_is_complete, write_run
+from rmm.tracking import Tracker, position_perplexity
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Execute the run described by ``cfg`` and write it to ``run_dir``; returns its metrics."""
+    run_dir = Path(run_dir)
+    if cfg.resume and run_is_complete(run_dir):
+        log.info("complete results found in %s; skipping (resume=false to recompute)", run_dir)
+        return read_metrics(run_dir)
+    _check_options(cfg)
+    policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk, seed=cfg.seed)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.model, device, dtype)
+    dims = describe_model(model)
+    docs, data_stats = load_documents(cfg.dataset, tokenizer)
+    if not docs:
+        raise ValueError(
+            f"dataset {cfg.dataset.name!r} gave no document with at least "
+            f"{cfg.dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short)"
+        )
+    needs_future = policy.name == "oracle" or (cfg.diagnostics.estimator and not policy.per_query)
+    context = _reference_context(cfg, dims, max(d.tokens.numel() for d in docs)) if needs_future else None
+
+    engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    totals = RunTotals()
+    reset_peak_memory(device)
+    with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
+        progress = tqdm(total=data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
+        for doc in docs:
+            hook = None
+            if needs_future:
+                start = time.perf_counter()
+                future = record_future(model, doc.tokens, cfg.oracle.tau, context)
+                totals.reference_wall_s += time.perf_counter() - start
+                if policy.name == "oracle":
+                    policy.future = future
+                if cfg.diagnostics.estimator:
+                    hook = _estimator_hook(future, totals.estimator_pairs)
+            start = time.perf_counter()
+            result = engine.stream(doc.tokens, before_boundary=hook)
+            _sync(device)
+            totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start)
+            tracker.log_running(totals.n_scored, totals.running_ppl)
+            progress.update(doc.tokens.numel())
+            progress.set_postfix(ppl=f"{totals.running_ppl:.3f}")
+        progress.close()
+        tokens = _concat(totals.token_frames)
+        budget = cfg.budget if policy.budget is not None else max(d.tokens.numel() for d in docs)
+        metrics = {
+            **summarize(totals),
+            "n_skipped_short": data_stats.n_skipped_short,
+            "peak_memory_bytes": peak_memory_bytes(device),
+            "kv_cache_bytes": kv_cache_bytes(
+                budget, dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], dtype
+            ),
+            "reference_context": context,
+            "reference_tau": cfg.oracle.tau if needs_future else None,
+            "policy": policy.name,
+            "budget": policy.budget,
+            "lag": cfg.lag if policy.name == "rmm" else None,
+            "chunk": cfg.chunk,
+            "positions": cfg.positions,
+            "scope": cfg.scope,
+            "model": cfg.model.name,
+            "dataset": cfg.dataset.name,
+            "seed": cfg.seed,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "run_name": cfg.run_name,
+            **{f"policy.{k}": v for k, v in config["policy"].items() if k not in ("name", "tag")},
+            **environment_info(),
+        }
+        write_run(run_dir, config, metrics, tokens)
+        tracker.finish(metrics, position_perplexity(tokens))
+    return metrics
+
+
+def _check_options(cfg: DictConfig) -> None:
+    if cfg.positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {POSITIONS}, got {cfg.positions!r}")
+    if cfg.scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {cfg.scope!r}")
+    if cfg.oracle.tau <= 0:
+        raise ValueError(f"oracle.tau must be > 0, got {cfg.oracle.tau}")
+
+
+def _reference_context(cfg: DictConfig, dims: dict, longest: int) -> int:
+    """The reference pass's window: ``oracle.context``, or the model's context for streams it covers."""
+    model_context = dims["max_position_embeddings"]
+    if cfg.oracle.context is None:
+        if longest > model_context:
+            raise ValueError(
+                f"the oracle's reference pass cannot cover a {longest}-token stream with full attention "
+                f"(model context {model_context}); set dataset.max_tokens<={model_context}, or "
+                f"oracle.context=<window> for a windowed reference pass"
+            )
+        return longest
+    if cfg.oracle.context > model_context:
+        raise ValueError(f"oracle.context={cfg.oracle.context} exceeds the model's context {model_context}")
+    return int(cfg.oracle.context)
+
+
+def _estimator_hook(future: FutureRequests, pairs: list):
+    """Record (policy score, oracle future attention mass) of each position as it commits."""
+
+    def hook(memory: SlotMemory, now: int) -> None:
+        policy = memory.policy
+        key_pos = memory.chunk_key_pos()
+        edge = now - policy.protected
+        committing = (key_pos >= edge - policy.chunk) & (key_pos < edge)
+        if committing.any():
+            scores = policy.score(memory.state_view(), key_pos, now)
+            pairs.append((scores[committing].cpu(), future.remaining_mass(key_pos, now)[committing].cpu()))
+
+    return hook
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _concat(frames):
+    import pandas as pd
+
+    return pd.concat(frames, ignore_index=True)
