@@ -134,7 +134,7 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, stats, last, future, 
     }
     if spec.scope != "head":
         groups = {}
-        for (layer, h), table in scores.items():
+        for (layer, _), table in scores.items():
             groups.setdefault(layer if spec.scope == "layer" else 0, []).append(table)
         reduce = max if (spec.policy == "oracle" and spec.variant == "next_use") else math.fsum
         for layer, h in scores:
