@@ -39,15 +39,22 @@ class Rotary:
         self.inv_freq = modules[0].inv_freq.detach().float()  # [rot_dim / 2]
         self.rot_dim = 2 * self.inv_freq.numel()
 
+    def table(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of a rotation by ``delta`` [..., P] positions: [..., P, rot_dim / 2] each."""
+        angles = delta.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq
+        return angles.cos(), angles.sin()
+
+    def apply(self, x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``x`` [..., P, head_dim] by a precomputed :meth:`table` broadcastable to it."""
+        cos, sin = table
+        half = self.rot_dim // 2
+        xf = x.float()
+        x1, x2, rest = xf[..., :half], xf[..., half : self.rot_dim], xf[..., self.rot_dim :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+
     def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [..., P, head_dim] by ``delta`` positions, ``delta`` broadcastable to [..., P]."""
-        angles = delta.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # [..., P, rot/2]
-        cos, sin = angles.cos(), angles.sin()
-        xf = x.float()
-        rot, rest = xf[..., : self.rot_dim], xf[..., self.rot_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return torch.cat([out, rest], dim=-1).to(x.dtype)
+        return self.apply(x, self.table(delta))
 
     def to(self, device: torch.device) -> Rotary:
         self.inv_freq = self.inv_freq.to(device)
@@ -98,7 +105,7 @@ def bounded_attention(
                 torch.matmul(sink_query, keys[:, None, :n_sinks].transpose(-1, -2)).float() * scaling
             )
             logits[..., :n_sinks] = sink_logits
-        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+        logits = logits.masked_fill(kv_memory.blocked_mask(layer)[:, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if kv_memory.record_attention:
             kv_memory.store_attention(layer, probs.sum(dim=1))  # GQA group summed: [H, Q, S]

@@ -65,12 +65,14 @@ class SlotMemory:
         }
         self.attn = torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None
         self.n_sink_slots = getattr(policy, "sinks", 0) if positions == "cache" and policy.per_query else 0
-        self.rank_pos = torch.arange(retained, device=device)
+        self._rank_table = rotary.table(torch.arange(retained, device=device)) if self.store_unrotated else None
+        self._unrotate_table: tuple[torch.Tensor, torch.Tensor] | None = None
         # filled by begin_chunk
         self.query_pos = torch.empty(0, dtype=torch.long, device=device)
         self.model_pos = self.query_pos
         self._allowed = torch.empty(0, dtype=torch.bool, device=device)
-        self._sink_delta: torch.Tensor | None = None
+        self._blocked = self._allowed
+        self._sink_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- chunk setup (engine) -------------------------------------------------------------------
     def begin_chunk(self, query_pos: torch.Tensor) -> torch.Tensor:
@@ -91,12 +93,16 @@ class SlotMemory:
             self._allowed = allowed & self.policy.allowed(query_pos, shared)
         else:
             self._allowed = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= query_pos[:, None])
+        self._blocked = ~self._allowed if self.record_attention or self.n_sink_slots else self._allowed
+        self._sink_table = None
         if self.n_sink_slots:
             delta = query_pos.clamp(max=self.policy.budget) - query_pos  # rank min(t, B) minus t
-            self._sink_delta = delta if bool((delta != 0).any()) else None
+            if bool((delta != 0).any()):
+                self._sink_table = self.rotary.table(delta)
         if self.store_unrotated:
             n_kept = int((self.key_pos[0, 0, : self.retained] >= 0).sum())
             self.model_pos = n_kept + torch.arange(n_q, device=query_pos.device)
+            self._unrotate_table = self.rotary.table(-self.model_pos)
         else:
             self.model_pos = query_pos
         return self.model_pos
@@ -109,19 +115,23 @@ class SlotMemory:
         if not self.store_unrotated:
             self.keys[layer, :, self.retained : end] = key
             return self.keys[layer, :, :end], self.values[layer, :, :end]
-        self.keys[layer, :, self.retained : end] = self.rotary.rotate(key, -self.model_pos)
-        kept = self.rotary.rotate(self.keys[layer, :, : self.retained], self.rank_pos)
+        self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
+        kept = self.rotary.apply(self.keys[layer, :, : self.retained], self._rank_table)
         return torch.cat([kept, key], dim=1), self.values[layer, :, :end]
 
     def allowed_mask(self, layer: int) -> torch.Tensor:
         """bool [H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
         return self._allowed[0] if self._allowed.shape[0] == 1 else self._allowed[layer]
 
+    def blocked_mask(self, layer: int) -> torch.Tensor:
+        """The complement of :meth:`allowed_mask` (computed once per chunk)."""
+        return self._blocked[0] if self._blocked.shape[0] == 1 else self._blocked[layer]
+
     def sink_query(self, query: torch.Tensor) -> torch.Tensor | None:
         """Queries [H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed."""
-        if self._sink_delta is None:
+        if self._sink_table is None:
             return None
-        return self.rotary.rotate(query, self._sink_delta)
+        return self.rotary.apply(query, self._sink_table)
 
     def store_attention(self, layer: int, probs: torch.Tensor) -> None:
         """Attention probabilities [H, Q, R + Q] of the chunk's queries, GQA group summed."""
