@@ -65,7 +65,9 @@ class SlotMemory:
         }
         self.attn = torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None
         self.n_sink_slots = getattr(policy, "sinks", 0) if positions == "cache" and policy.per_query else 0
-        self._rank_table = rotary.table(torch.arange(retained, device=device)) if self.store_unrotated else None
+        self._rank_table = (
+            rotary.table(torch.arange(retained, device=device)) if self.store_unrotated else None
+        )
         self._unrotate_table: tuple[torch.Tensor, torch.Tensor] | None = None
         # filled by begin_chunk
         self.query_pos = torch.empty(0, dtype=torch.long, device=device)

@@ -1,0 +1,126 @@
+"""Throughput benchmark, everything measured side by side in one process on the same tokens.
+
+    python experiments/bench.py [--tokens 4096] [--budget 256] [--chunk 64] [--threads 2]
+
+Prints tokens/s of the engine (window, streaming_llm, h2o, rmm), of a token-by-token physical-eviction
+loop (StreamingLLM's evaluation method: one token per forward, KV cache sliced after every step), and of
+plain forward passes over 2048-token windows, then the ratios the project's targets are stated in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rmm.data import load_documents  # noqa: E402
+from rmm.engine import StreamingEngine  # noqa: E402
+from rmm.models import load_model  # noqa: E402
+from rmm.policies import make_policy  # noqa: E402
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+@torch.no_grad()
+def token_loop(model, tokens: torch.Tensor, budget: int, sinks: int) -> torch.Tensor:
+    """StreamingLLM-style evaluation: decode one token at a time, keep sinks + the last B - sinks."""
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache()
+    nll = torch.empty(tokens.numel() - 1)
+    for t in range(tokens.numel() - 1):
+        out = model(tokens[None, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
+        nll[t] = -torch.log_softmax(out.logits[0, -1].float(), -1)[tokens[t + 1]]
+        for layer in out.past_key_values.layers:
+            if layer.keys.shape[-2] > budget:
+                keep = lambda x: torch.cat([x[..., :sinks, :], x[..., -(budget - sinks) :, :]], dim=-2)  # noqa: E731
+                layer.keys, layer.values = keep(layer.keys), keep(layer.values)
+        cache = out.past_key_values
+    return nll
+
+
+@torch.no_grad()
+def plain_forward(model, tokens: torch.Tensor, window: int) -> None:
+    model.set_attn_implementation("sdpa")
+    for start in range(0, tokens.numel(), window):
+        model(tokens[None, start : start + window], use_cache=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--loop-tokens",
+        type=int,
+        default=None,
+        help="tokens for the token-by-token loop (default: all); its rate is per token",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_model(
+        OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+    )
+    data_cfg = OmegaConf.merge(
+        OmegaConf.load(CONF / "dataset/shakespeare.yaml"),
+        {"n_docs": None, "max_tokens": args.tokens, "stream": "concat"},
+    )
+    tokens = load_documents(data_cfg, tokenizer)[0][0].tokens
+    n = tokens.numel()
+    print(f"SmolLM2-135M fp32 on CPU, {args.threads} threads, {n} tokens, B={args.budget}, C={args.chunk}")
+
+    rates: dict[str, float] = {}
+    policies = [
+        ("window", {}, "original"),
+        ("streaming_llm", {}, "original"),
+        ("streaming_llm", {}, "cache"),
+        ("h2o", {}, "original"),
+        ("rmm", {"lag": 64}, "original"),
+        ("rmm", {"lag": 64}, "cache"),
+    ]
+    for name, params, positions in policies:
+        policy = make_policy({"name": name, **params}, budget=args.budget, chunk=args.chunk)
+        engine = StreamingEngine(model, policy, positions=positions)
+        engine.stream(tokens[: 2 * args.chunk])  # warm-up
+        seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
+        rates[f"{name}/{positions}"] = (n - 1) / seconds
+        print(f"engine {name:14s} positions={positions:8s} {rates[f'{name}/{positions}']:8.1f} tokens/s")
+
+    seconds, _ = timed(lambda: plain_forward(model, tokens, 2048))
+    rates["forward"] = n / seconds
+    print(f"plain forward, 2048-token windows          {rates['forward']:8.1f} tokens/s")
+
+    loop_tokens = tokens[: args.loop_tokens or n]
+    seconds, _ = timed(lambda: token_loop(model, loop_tokens, args.budget, sinks=4))
+    rates["loop"] = (loop_tokens.numel() - 1) / seconds
+    print(f"token-by-token loop (sinks 4, {loop_tokens.numel()} tokens)  {rates['loop']:8.1f} tokens/s")
+
+    print("\nratios (target: engine >= 15x loop, >= 0.8x forward; scoring policies >= 0.6x window)")
+    for key in ("window/original", "streaming_llm/original", "streaming_llm/cache"):
+        print(
+            f"  {key:24s} / loop = {rates[key] / rates['loop']:6.1f}x   / forward = "
+            f"{rates[key] / rates['forward']:5.2f}x"
+        )
+    for key in ("h2o/original", "rmm/original", "rmm/cache"):
+        print(f"  {key:24s} / window = {rates[key] / rates['window/original']:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The engine: exactness against plain forward passes, rotations, bounded memory, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rmm.engine import StreamingEngine
+from rmm.future import RequestRecorder
+from rmm.integration import Rotary
+from rmm.policies import make_policy
+
+
+def forward_loss(model, tokens: torch.Tensor) -> float:
+    model.set_attn_implementation("sdpa")
+    return model(tokens[None], labels=tokens[None], use_cache=False).loss.item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_full_equals_plain_forward(tiny_models, tokens, arch, chunk, positions):
+    model = tiny_models[arch]
+    expected = forward_loss(model, tokens)
+    result = StreamingEngine(model, make_policy({"name": "full"}, None, chunk), positions=positions).stream(
+        tokens
+    )
+    assert abs(result.nll.double().mean().item() - expected) / expected < 1e-5
+
+
+@pytest.mark.slow
+def test_full_equals_plain_forward_smollm2():
+    pytest.importorskip("gguf")
+    from rmm.data import load_documents
+    from rmm.models import load_model
+
+    model, tokenizer = load_model(
+        OmegaConf.load("conf/model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+    )
+    data = OmegaConf.merge(OmegaConf.load("conf/dataset/shakespeare.yaml"), {"n_docs": 1, "max_tokens": 300})
+    tokens = load_documents(data, tokenizer)[0][0].tokens
+    expected = forward_loss(model, tokens)
+    result = StreamingEngine(model, make_policy({"name": "full"}, None, 64)).stream(tokens)
+    assert abs(result.nll.double().mean().item() - expected) / expected < 1e-5
+
+
+def test_rotation_composes_with_the_models_rope(tiny_models):
+    """Rotating a key rotated at p by d equals the model's own rotation at p + d."""
+    model = tiny_models["llama"]
+    rotary = Rotary(model)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = torch.randn(1, 2, 5, 16)
+    positions = torch.tensor([[0, 3, 17, 100, 511]])
+    cos, sin = model.model.rotary_emb(x, positions)
+    at_p, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    delta = torch.tensor([5, -3, 0, 400, -511])
+    cos2, sin2 = model.model.rotary_emb(x, positions + delta)
+    at_p_plus_d, _ = apply_rotary_pos_emb(x, x, cos2, sin2)
+    torch.testing.assert_close(rotary.rotate(at_p[0], delta), at_p_plus_d[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rotary.rotate(rotary.rotate(x, delta), -delta), x, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["window", "streaming_llm", "h2o", "rmm"])
+def test_memory_does_not_grow_with_the_stream(tiny_models, name):
+    model = tiny_models["llama"]
+    policy = make_policy({"name": name, **({"lag": 4} if name == "rmm" else {})}, budget=16, chunk=8)
+    engine = StreamingEngine(model, policy)
+
+    def memory_bytes(n: int) -> int:
+        memory = engine.new_memory(n, record_attention=policy.needs_attention)
+        tensors = [memory.keys, memory.values, memory.key_pos, *memory.state.values()]
+        tensors += [memory.attn] if memory.attn is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    assert memory_bytes(200) == memory_bytes(20_000)
+
+
+def test_attended_counts_follow_the_budget(tiny_models, tokens):
+    """window: query t attends min(t, B) past entries, whatever the chunk."""
+    budget, n = 10, tokens.numel()
+    expected = sum(min(t, budget) for t in range(n))
+    for chunk in (1, 3, 10):
+        engine = StreamingEngine(tiny_models["llama"], make_policy({"name": "window"}, budget, chunk))
+        assert engine.stream(tokens).attended_total == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "budget", "chunk", "message"),
+    [
+        ({"name": "nope"}, 64, 8, "unknown policy 'nope'"),
+        ({"name": "streaming_llm", "sinks": 4}, 4, 1, "cannot hold the 4 sinks"),
+        ({"name": "window"}, 64, 0, "chunk must be >= 1"),
+        ({"name": "window"}, 8, 16, "must not exceed budget"),
+        ({"name": "rmm", "lag": 64}, 64, 1, "lag (64) must be smaller"),
+        ({"name": "rmm", "lag": 60}, 64, 8, "budget - chunk + 1 = 57"),
+        ({"name": "rmm", "weight": "maybe"}, 64, 8, "policy.weight must be one of"),
+        ({"name": "rmm", "after_commit": "later"}, 64, 8, "policy.after_commit must be one of"),
+        ({"name": "h2o", "rho": 1.0}, 64, 8, "policy.rho must be in [0, 1)"),
+        ({"name": "random", "rho": -0.1}, 64, 8, "policy.rho must be in [0, 1)"),
+        ({"name": "oracle", "variant": "psychic"}, 64, 8, "policy.variant must be one of"),
+        ({"name": "window", "sinks": 3}, 64, 8, "bad parameters for policy 'window'"),
+    ],
+)
+def test_bad_policy_input_is_explained(cfg, budget, chunk, message):
+    with pytest.raises(ValueError, match=None) as err:
+        make_policy(cfg, budget, chunk)
+    assert message in str(err.value)
+
+
+def test_bad_stream_input_is_explained(tiny_models):
+    model = tiny_models["llama"]
+    engine = StreamingEngine(model, make_policy({"name": "window"}, 16, 4))
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        engine.stream(torch.tensor([3]))
+    with pytest.raises(ValueError, match="positions must be one of"):
+        StreamingEngine(model, make_policy({"name": "window"}, 16, 4), positions="absolute").stream(
+            torch.arange(5)
+        )
+    with pytest.raises(ValueError, match="oracle.tau must be > 0"):
+        RequestRecorder(tau=0.0)
