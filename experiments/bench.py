@@ -10,6 +10,8 @@ plain forward passes over 2048-token windows, then the ratios the project's targ
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +60,52 @@ def plain_forward(model, tokens: torch.Tensor, window: int) -> None:
         model(tokens[None, start : start + window], use_cache=False)
 
 
+def load_tokens(tokenizer, n: int) -> torch.Tensor:
+    """The first ``n`` tokens of the Shakespeare sample run as one stream (all plays concatenated)."""
+    data_cfg = OmegaConf.merge(
+        OmegaConf.load(CONF / "dataset/shakespeare.yaml"),
+        {"n_docs": None, "max_tokens": n, "stream": "concat"},
+    )
+    return load_documents(data_cfg, tokenizer)[0][0].tokens
+
+
+def stream_peak(n: int, budget: int, chunk: int) -> None:
+    """Child process: stream n tokens with ``window`` and print the peak memory as JSON."""
+    from rmm.metrics import peak_memory_bytes
+
+    model, tokenizer = load_model(
+        OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+    )
+    tokens = load_tokens(tokenizer, n)
+    StreamingEngine(model, make_policy({"name": "window"}, budget=budget, chunk=chunk)).stream(tokens)
+    print(json.dumps({"tokens": tokens.numel(), "peak": peak_memory_bytes(torch.device("cpu"))}))
+
+
+def memory_check(lengths: list[int], budget: int, chunk: int) -> None:
+    """Peak memory of whole processes streaming different lengths: it must not grow with the stream."""
+    peaks = []
+    for n in lengths:
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--stream-peak",
+                str(n),
+                "--budget",
+                str(budget),
+                "--chunk",
+                str(chunk),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        peaks.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        mib = peaks[-1]["peak"] / 2**20
+        print(f"window B={budget}: {peaks[-1]['tokens']:6d} tokens -> peak RSS {mib:8.1f} MiB")
+    print(f"peak ratio longest/shortest stream: {peaks[-1]['peak'] / peaks[0]['peak']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -72,17 +120,25 @@ def main() -> None:
         default=None,
         help="tokens for the token-by-token loop (default: all); its rate is per token",
     )
+    parser.add_argument(
+        "--memory",
+        type=int,
+        nargs="*",
+        metavar="N",
+        help="only compare the peak memory of whole processes streaming N tokens (e.g. 4096 32768)",
+    )
+    parser.add_argument("--stream-peak", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.stream_peak:
+        return stream_peak(args.stream_peak, args.budget, args.chunk)
+    if args.memory:
+        return memory_check(sorted(args.memory), args.budget, args.chunk)
 
     model, tokenizer = load_model(
         OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
-    data_cfg = OmegaConf.merge(
-        OmegaConf.load(CONF / "dataset/shakespeare.yaml"),
-        {"n_docs": None, "max_tokens": args.tokens, "stream": "concat"},
-    )
-    tokens = load_documents(data_cfg, tokenizer)[0][0].tokens
+    tokens = load_tokens(tokenizer, args.tokens)
     n = tokens.numel()
     print(f"SmolLM2-135M fp32 on CPU, {args.threads} threads, {n} tokens, B={args.budget}, C={args.chunk}")
 
