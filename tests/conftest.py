@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -28,15 +30,20 @@ ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
 }
+# per-architecture differences: Mistral's own sliding window off; GPT-NeoX is multi-head with partial rotary
+SPECIFIC = {"mistral": {"sliding_window": None}, "gpt_neox": {"rotary_pct": 0.5}}
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
     """A small random causal LM whose attention is peaked enough for eviction to matter."""
     config_cls, model_cls = ARCHITECTURES[arch]
     torch.manual_seed(seed)
-    extra = {"sliding_window": None} if arch == "mistral" else {}
-    return model_cls(config_cls(**{**TINY, **extra, **overrides})).eval().requires_grad_(False)
+    settings = {**TINY, **SPECIFIC.get(arch, {}), **overrides}
+    if arch == "gpt_neox":
+        del settings["num_key_value_heads"]
+    return model_cls(config_cls(**settings)).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ def forward_loss(model, tokens: torch.Tensor) -> float:
     return model(tokens[None], labels=tokens[None], use_cache=False).loss.item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt_neox"])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 @pytest.mark.parametrize("positions", ["original", "cache"])
 def test_full_equals_plain_forward(tiny_models, tokens, arch, chunk, positions):

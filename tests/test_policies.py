@@ -62,7 +62,7 @@ def retained_sets(model, tokens, name, params, **kwargs) -> dict[int, list]:
     return result, sets
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt_neox"])
 @pytest.mark.parametrize(
     ("name", "params"), CASES, ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CASES]
 )
