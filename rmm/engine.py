@@ -18,6 +18,8 @@ from rmm.policies.window import Window
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 # called before each decision: (memory, now)
 DecisionHook = Callable[[SlotMemory, int], None]
+# called after each chunk: (tokens streamed so far, nll [Q'] of the chunk's scored predictions)
+ChunkHook = Callable[[int, torch.Tensor], None]
 # called after each decision: (memory, now, evicted [L, H, S] with -1 where kept)
 BoundaryHook = Callable[[SlotMemory, int, torch.Tensor], None]
 
@@ -84,6 +86,7 @@ class StreamingEngine:
         observer: AttentionObserver | None = None,
         before_boundary: DecisionHook | None = None,
         on_boundary: BoundaryHook | None = None,
+        on_chunk: ChunkHook | None = None,
     ) -> StreamResult:
         """Score every next-token prediction of ``tokens`` [n] (n >= 2)."""
         n = tokens.numel()
@@ -117,6 +120,8 @@ class StreamingEngine:
             nll[start : start + n_scored] = token_nll
             correct[start : start + n_scored] = token_correct
             attended += memory.attended_total()
+            if on_chunk is not None:
+                on_chunk(stop, token_nll)
             if record:
                 queries = _query_batch(query_pos, token_nll, token_correct)
                 if self.policy.needs_attention:

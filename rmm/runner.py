@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                 if cfg.diagnostics.estimator:
                     hook = _estimator_hook(future, totals.estimator_pairs)
             start = time.perf_counter()
-            result = engine.stream(doc.tokens, before_boundary=hook)
+            running = RunningPerplexity(totals, progress, tracker)
+            result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=running)
             _sync(device)
             totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start)
-            tracker.log_running(totals.n_scored, totals.running_ppl)
-            progress.update(doc.tokens.numel())
-            progress.set_postfix(ppl=f"{totals.running_ppl:.3f}")
         progress.close()
         tokens = _concat(totals.token_frames)
         budget = cfg.budget if policy.budget is not None else max(d.tokens.numel() for d in docs)
@@ -99,6 +98,28 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         write_run(run_dir, config, metrics, tokens)
         tracker.finish(metrics, position_perplexity(tokens))
     return metrics
+
+
+class RunningPerplexity:
+    """Per-chunk progress: the bar's token count and running perplexity, logged to W&B every 512 tokens."""
+
+    def __init__(self, totals: RunTotals, progress: tqdm, tracker: Tracker, log_every: int = 512):
+        self.totals, self.progress, self.tracker, self.log_every = totals, progress, tracker, log_every
+        self.streamed = self.n_scored = 0
+        self.last_logged = totals.n_scored
+        self.nll_sum = 0.0
+
+    def __call__(self, streamed: int, nll: torch.Tensor) -> None:
+        self.progress.update(streamed - self.streamed)
+        self.streamed = streamed
+        self.nll_sum += float(nll.sum())
+        self.n_scored += nll.numel()
+        scored = self.totals.n_scored + self.n_scored
+        ppl = math.exp((self.totals.nll_sum + self.nll_sum) / max(scored, 1))
+        self.progress.set_postfix(ppl=f"{ppl:.3f}", refresh=False)
+        if scored - self.last_logged >= self.log_every:
+            self.tracker.log_running(scored, ppl)
+            self.last_logged = scored
 
 
 def _check_options(cfg: DictConfig) -> None:
