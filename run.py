@@ -1,19 +1,39 @@
 """Entry point: python run.py [policy=rmm] [lag=64] [budget=256] ... (Hydra overrides; -m for sweeps)."""
 
 import logging
+import math
+import traceback
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rmm.runner import run
+from rmm.storage import atomic_write_text
 
 log = logging.getLogger("rmm")
+
+ERROR_FILE = "error.txt"  # a failed sweep job's traceback, in its run directory
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    metrics = run(cfg, HydraConfig.get().runtime.output_dir)
+    """One run; in a sweep (-m) a failing job is logged and recorded in error.txt, and the sweep goes on."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        metrics = run(cfg, run_dir)
+    except Exception:
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            raise
+        error_file = run_dir / ERROR_FILE
+        log.exception("run %s failed; the sweep goes on (traceback in %s)", cfg.run_name, error_file)
+        overrides = " ".join(hydra_cfg.overrides.task)
+        atomic_write_text(error_file, f"overrides: {overrides}\n\n{traceback.format_exc()}")
+        return math.nan
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
     log.info(
         "ppl %.4f | %s tokens | %.1f tokens/s | peak memory %.1f MiB | KV cache %.2f MiB",
         metrics["ppl"],

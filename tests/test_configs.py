@@ -1,0 +1,189 @@
+"""Every config composes; every experiment preset sweeps only valid, distinctly named runs."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import submitit
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.utils import get_class
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from omegaconf import DictConfig, OmegaConf
+
+from rmm.data import STREAM_MODES
+from rmm.memory import POSITIONS, SCOPES
+from rmm.policies import POLICIES, make_policy
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+STUDIES = ("main_table", "lag_sweep", "weight_ablation", "positions_ablation", "chunk_ablation")
+GPU_DATASETS = ("pg19", "proof_pile")
+GPU_SUFFIXES = tuple(f"_{dataset}" for dataset in GPU_DATASETS)
+GPU_MODELS = ("llama2_7b", "llama3_8b", "mistral_7b", "qwen2_5_7b")
+PRESETS = [f"{study}{suffix}" for study in STUDIES for suffix in ("", "_cpu", *GPU_SUFFIXES)]
+RUN_KEYS = ["policy", "budget", "chunk", "lag", "positions", "scope", "seed"]  # what makes a run valid
+
+Compose = Callable[..., DictConfig]
+
+
+def options(group: str) -> list[str]:
+    """Option names of a config group, nested ones as ``sub/name``."""
+    root = CONF / group
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+
+
+def sweep_jobs(params: Mapping[str, Any]) -> list[list[str]]:
+    """The jobs (override lists) Hydra's basic sweeper makes of ``hydra.sweeper.params``."""
+    parsed = OverridesParser.create().parse_overrides([f"{key}={value}" for key, value in params.items()])
+    axes = []
+    for override in parsed:
+        values = override.sweep_string_iterator() if override.is_sweep_override() else None
+        values = list(values) if values is not None else [override.get_value_element_as_str()]
+        axes.append([f"{override.get_key_element()}={value}" for value in values])
+    return [list(job) for job in itertools.product(*axes)]
+
+
+# Every top-level preset (the GPU variants sweep their study's runs: test_study_presets).
+SWEEPS = [name for name in options("experiment") if "/" not in name and not name.endswith(GPU_SUFFIXES)]
+
+
+@pytest.fixture(scope="module")
+def compose_cfg() -> Iterator[Compose]:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield lambda *overrides, hydra=False: compose(
+            "config", overrides=list(overrides), return_hydra_config=hydra
+        )
+
+
+def check_run_config(cfg: DictConfig) -> None:
+    """The invariants the runner relies on: it resolves, and its policy accepts budget, chunk and lag."""
+    run_keys = [key for key in cfg if key != "hydra"]
+    OmegaConf.to_container(OmegaConf.masked_copy(cfg, run_keys), resolve=True, throw_on_missing=True)
+    assert cfg.policy.name in POLICIES
+    assert cfg.positions in POSITIONS and cfg.scope in SCOPES
+    make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk, seed=cfg.seed)
+
+
+def test_config_groups_are_complete() -> None:
+    assert set(options("policy")) == set(POLICIES)
+    assert set(PRESETS) <= set(options("experiment"))
+    assert {"slurm", "local"} <= set(options("hydra/launcher"))
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_model_configs(compose_cfg: Compose, model: str) -> None:
+    extra = ["model.path=/models/mine"] if model == "local" else []
+    cfg = compose_cfg(f"model={model}", *extra)
+    check_run_config(cfg)
+    assert cfg.model.name == model
+    assert cfg.model.source in ("gguf_package", "hub", "local")
+
+
+@pytest.mark.parametrize("dataset", options("dataset"))
+def test_dataset_configs(compose_cfg: Compose, dataset: str) -> None:
+    cfg = compose_cfg(f"dataset={dataset}")
+    check_run_config(cfg)
+    assert cfg.dataset.name == dataset and cfg.dataset.stream in STREAM_MODES
+
+
+@pytest.mark.parametrize("policy", options("policy"))
+def test_policy_configs(compose_cfg: Compose, policy: str) -> None:
+    cfg = compose_cfg(f"policy={policy}")
+    check_run_config(cfg)
+    assert cfg.policy.name == policy
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_config_composes(compose_cfg: Compose, experiment: str) -> None:
+    """Presets and scales compose on their own; a lag arm is composed into lag_sweep, at its budget."""
+    group, _, arm = experiment.rpartition("/")
+    if group == "lag_arm":
+        overrides = ["experiment=lag_sweep", f"experiment/lag_arm@_global_={arm}"]
+    else:
+        overrides = [f"experiment={experiment}"]
+    check_run_config(compose_cfg(*overrides, hydra=True))
+
+
+@pytest.mark.parametrize("experiment", SWEEPS)
+def test_sweep_runs_are_valid_and_distinct(compose_cfg: Compose, experiment: str) -> None:
+    """Every job of the sweep is a valid run, and no two jobs share a run directory."""
+    base = compose_cfg(f"experiment={experiment}", hydra=True)
+    jobs = sweep_jobs(base.hydra.sweeper.params or {})  # no params: a single run
+    run_dirs = set()
+    for job in jobs:
+        cfg = compose_cfg(f"experiment={experiment}", *job, hydra=True)
+        check_run_config(cfg)
+        run_dirs.add(f"{cfg.hydra.sweep.dir}/{cfg.hydra.sweep.subdir}")
+        if experiment.endswith("_cpu"):
+            assert (cfg.model.name, cfg.dataset.name, cfg.device) == ("smollm2_135m", "shakespeare", "cpu")
+            assert cfg.dataset.n_docs <= 2 and cfg.dataset.max_tokens <= 512
+            assert cfg.budget <= 128 and cfg.wandb.mode in ("disabled", "offline")
+    assert len(run_dirs) == len(jobs), f"{experiment}: runs share a directory"
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_study_presets(compose_cfg: Compose, study: str) -> None:
+    """A study sweeps into multirun/<preset>; its GPU variants sweep the same runs on a 7-8B model."""
+    base = compose_cfg(f"experiment={study}", hydra=True)
+    assert len(sweep_jobs(base.hydra.sweeper.params)) > 1
+    for suffix in ("", "_cpu", *GPU_SUFFIXES):
+        cfg = compose_cfg(f"experiment={study}{suffix}", hydra=True)
+        assert cfg.hydra.sweep.dir == f"multirun/{study}{suffix}"
+    for dataset in GPU_DATASETS:
+        cfg = compose_cfg(f"experiment={study}_{dataset}", hydra=True)
+        assert cfg.hydra.sweeper.params == base.hydra.sweeper.params
+        assert OmegaConf.masked_copy(cfg, RUN_KEYS) == OmegaConf.masked_copy(base, RUN_KEYS)
+        assert cfg.model.name in GPU_MODELS and cfg.dataset.name == dataset
+        assert cfg.dtype == "bfloat16" and cfg.dataset.max_tokens == 32768
+
+
+def test_lag_sweep_runs_each_reference_once(compose_cfg: Compose) -> None:
+    cfg = compose_cfg("experiment=lag_sweep", hydra=True)
+    policies = [
+        compose_cfg("experiment=lag_sweep", *job).policy.name for job in sweep_jobs(cfg.hydra.sweeper.params)
+    ]
+    assert policies.count("h2o") == policies.count("oracle") == 1
+    assert policies.count("rmm") == 7
+
+
+def test_slurm_launcher(compose_cfg: Compose, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SLURM launcher's parameters, converted as the plugin does, make a valid sbatch script."""
+    monkeypatch.setenv("SBATCH_ACCOUNT", "env_account")
+    cfg = compose_cfg(
+        "hydra/launcher=slurm",
+        "hydra.launcher.partition=gpu",
+        "hydra.launcher.timeout_min=90",
+        f"hydra.sweep.dir={tmp_path}",
+        hydra=True,
+    )
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert get_class(params.pop("_target_")).__name__ == "SlurmLauncher"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\n")  # submitit only checks that srun exists
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"), prepend=os.pathsep)
+    executor = submitit.AutoExecutor(
+        cluster="slurm",
+        folder=params.pop("submitit_folder"),
+        slurm_max_num_timeout=params.pop("max_num_timeout"),
+    )
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    sbatch = executor._executor._make_submission_file_text("python run.py", "uid")
+    for line in ("--partition=gpu", "--account=env_account", "--gpus-per-node=1", "--time=90", "--mem=64GB"):
+        assert f"#SBATCH {line}\n" in sbatch
+    assert str(tmp_path / ".submitit") in sbatch
+
+
+def test_local_launcher(compose_cfg: Compose, tmp_path: Path) -> None:
+    cfg = compose_cfg("hydra/launcher=local", f"hydra.sweep.dir={tmp_path}", hydra=True)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert get_class(params.pop("_target_")).__name__ == "LocalLauncher"
+    executor = submitit.AutoExecutor(cluster="local", folder=params.pop("submitit_folder"))
+    executor.update_parameters(**params)
+    assert executor._executor.parameters["gpus_per_node"] == 1
