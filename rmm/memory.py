@@ -73,7 +73,7 @@ class SlotMemory:
         self.query_pos = torch.empty(0, dtype=torch.long, device=device)
         self.model_pos = self.query_pos
         self._allowed = torch.empty(0, dtype=torch.bool, device=device)
-        self._blocked = self._allowed
+        self._blocked: torch.Tensor | None = None  # ~allowed, for the eager path only
         self._sink_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- chunk setup (engine) -------------------------------------------------------------------
@@ -95,7 +95,7 @@ class SlotMemory:
             self._allowed = allowed & self.policy.allowed(query_pos, shared)
         else:
             self._allowed = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= query_pos[:, None])
-        self._blocked = ~self._allowed if self.record_attention or self.n_sink_slots else self._allowed
+        self._blocked = ~self._allowed if self.record_attention or self.n_sink_slots else None
         self._sink_table = None
         if self.n_sink_slots:
             delta = query_pos.clamp(max=self.policy.budget) - query_pos  # rank min(t, B) minus t
