@@ -19,7 +19,7 @@ from rmm.memory import POSITIONS, SCOPES, SlotMemory
 from rmm.metrics import RunTotals, kv_cache_bytes, peak_memory_bytes, reset_peak_memory, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import make_policy
-from rmm.storage import environment_info, read_metrics, run_is_complete, write_run
+from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,14 @@ log = logging.getLogger(__name__)
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Execute the run described by ``cfg`` and write it to ``run_dir``; returns its metrics."""
     run_dir = Path(run_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.resume and run_is_complete(run_dir):
+        changed = _changed_keys(read_config(run_dir), config)
+        if changed:
+            raise ValueError(
+                f"{run_dir} holds complete results of a different configuration (differs in: "
+                f"{', '.join(changed)}); use resume=false to overwrite them, or another hydra.run.dir"
+            )
         log.info("complete results found in %s; skipping (resume=false to recompute)", run_dir)
         return read_metrics(run_dir)
     _check_options(cfg)
@@ -48,7 +55,6 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     context = _reference_context(cfg, dims, max(d.tokens.numel() for d in docs)) if needs_future else None
 
     engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
-    config = OmegaConf.to_container(cfg, resolve=True)
     totals = RunTotals()
     reset_peak_memory(device)
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
@@ -120,6 +126,27 @@ class RunningPerplexity:
         if scored - self.last_logged >= self.log_every:
             self.tracker.log_running(scored, ppl)
             self.last_logged = scored
+
+
+def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys present in both whose values differ, ignoring options that do not change results.
+
+    Keys present on one side only (options added to or removed from the configs since) are ignored.
+    """
+    changed = []
+    for key in sorted(set(stored) & set(current)):
+        name = f"{prefix}{key}"
+        if name in _NOT_RESULTS:
+            continue
+        old, new = stored[key], current[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += _changed_keys(old, new, f"{name}.")
+        elif old != new:
+            changed.append(name)
+    return changed
+
+
+_NOT_RESULTS = {"resume", "progress", "wandb"}
 
 
 def _check_options(cfg: DictConfig) -> None:

@@ -92,8 +92,10 @@ def test_resume_skips_a_complete_run(tmp_path):
     cfg = config("policy=window")
     run(cfg, tmp_path)
     stamp = (tmp_path / "metrics.json").stat().st_mtime_ns
-    run(cfg, tmp_path)
+    run(config("policy=window", "progress=true", "wandb.mode=offline"), tmp_path)  # same results config
     assert (tmp_path / "metrics.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match=r"different configuration \(differs in: dataset.max_tokens\)"):
+        run(config("policy=window", "dataset.max_tokens=64"), tmp_path)
 
 
 def test_oracle_reports_its_reference_pass(tmp_path):
