@@ -42,18 +42,7 @@ ID_COLUMNS = [
     "scope",
     "seed",
 ]
-SORT_COLUMNS = [
-    "model",
-    "dataset",
-    "policy",
-    "budget",
-    "lag",
-    "chunk",
-    "positions",
-    "scope",
-    "seed",
-    "run_dir",
-]
+SORT_COLUMNS = [*ID_COLUMNS[1:], "run_dir"]
 POLICY_ORDER = ["full", "window", "streaming_llm", "random", "tova", "h2o", "rmm", "oracle"]
 # Columns that tell apart configurations of one policy within a model/dataset besides ``policy.*``.
 VARIANT_COLUMNS = ["chunk", "positions", "scope"]

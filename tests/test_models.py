@@ -10,18 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model as build_tiny_model
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import PreTrainedTokenizerFast
 
 from rmm import models as rmm_models
 from rmm.models import (
@@ -115,28 +108,11 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-ARCHS = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-}
-
-
-@pytest.fixture(params=sorted(ARCHS))
+@pytest.fixture(params=["llama", "mistral", "qwen2"])
 def tiny_model(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, torch.nn.Module, object]:
     """A tiny random model of each architecture, saved with a locally trained tokenizer."""
-    config_cls, model_cls = ARCHS[request.param]
     tokenizer = _tokenizer()
-    torch.manual_seed(0)
-    model = model_cls(config_cls(vocab_size=len(tokenizer), **TINY)).eval()
+    model = build_tiny_model(request.param, vocab_size=len(tokenizer))
     out = tmp_path / request.param
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -163,7 +139,7 @@ def test_local_loads_identical(tiny_model: tuple[Path, torch.nn.Module, object])
         "n_heads": 4,
         "n_kv_heads": 2,
         "head_dim": 16,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": 512,
         "model_type": reference.config.model_type,
     }
 

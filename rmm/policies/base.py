@@ -84,6 +84,22 @@ class Policy:
         raise NotImplementedError
 
 
+@dataclass
+class RecentRatioPolicy(Policy):
+    """A score-based policy that always keeps its r = floor(rho * B') most recent positions."""
+
+    rho: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.rho < 1.0:
+            raise ValueError(f"policy.rho must be in [0, 1), got {self.rho}")
+
+    @property
+    def protected(self) -> int:
+        return int(self.rho * self.capacity)
+
+
 def protect_recent(scores: torch.Tensor, key_pos: torch.Tensor, now: int, recent: int) -> torch.Tensor:
     """Give the ``recent`` most recent positions (``now - recent <= j``) infinite priority."""
     return torch.where(key_pos >= now - recent, torch.full_like(scores, NEVER), scores)

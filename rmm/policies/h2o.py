@@ -9,25 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Policy, QueryBatch, protect_recent, weighted_attention
+from rmm.policies.base import QueryBatch, RecentRatioPolicy, protect_recent, weighted_attention
 
 
 @dataclass
-class H2O(Policy):
-    rho: float = 0.5
-
+class H2O(RecentRatioPolicy):
     name = "h2o"
     needs_attention = True
     state_names = ("acc",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.rho < 1.0:
-            raise ValueError(f"policy.rho must be in [0, 1), got {self.rho}")
-
-    @property
-    def protected(self) -> int:
-        return int(self.rho * self.capacity)
 
     def observe(
         self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor, queries: QueryBatch

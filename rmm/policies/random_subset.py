@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Policy, protect_recent
+from rmm.policies.base import RecentRatioPolicy, protect_recent
 
 _MASK52 = (1 << 52) - 1
 
@@ -27,20 +27,10 @@ def hashed_uniform(seed: int, key_pos: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class RandomSubset(Policy):
-    rho: float = 0.5
+class RandomSubset(RecentRatioPolicy):
     seed: int = 0
 
     name = "random"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.rho < 1.0:
-            raise ValueError(f"policy.rho must be in [0, 1), got {self.rho}")
-
-    @property
-    def protected(self) -> int:
-        return int(self.rho * self.capacity)
 
     def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:
         return protect_recent(hashed_uniform(self.seed, key_pos).float(), key_pos, now, self.protected)
