@@ -30,5 +30,9 @@ lint: setup
 bench: setup
 	$(PY) experiments/bench.py
 
+# The CPU reproduction (docs/results.md): results/cpu/runs, runs.csv, main_table.md, figures/. Resumable.
+reproduce-cpu: setup
+	PY=$(PY) bash experiments/reproduce_cpu.sh $(ARGS)
+
 clean:
 	rm -rf $(VENV) outputs multirun runs .pytest_cache

@@ -11,6 +11,7 @@ for one (model, dataset, device, dtype) setting: the most common one unless chos
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,11 +96,17 @@ def _shades(color: str, count: int) -> list[tuple[float, float, float]]:
     return shades
 
 
+def _natural_key(label: str) -> list[Any]:
+    """Sort key comparing the numbers inside a label numerically: ``lag=8`` < ``lag=16`` < ``lag=128``."""
+    parts = re.split(r"(\d+(?:\.\d+)?)", label)  # text, number, text, ...
+    return [(0, float(part), "") if i % 2 else (1, 0.0, part) for i, part in enumerate(parts)]
+
+
 def _label_colors(labelled: pd.DataFrame) -> dict[str, Any]:
     """A color per label: the policy's color, shaded when the policy has several labels."""
     result: dict[str, Any] = {}
     for policy, group in labelled.groupby("policy"):
-        labels = sorted(group["label"].unique())
+        labels = sorted(group["label"].unique(), key=_natural_key)
         base = POLICY_COLORS.get(str(policy), "tab:brown")
         result.update(zip(labels, _shades(base, len(labels)), strict=True))
     return result
@@ -107,7 +114,9 @@ def _label_colors(labelled: pd.DataFrame) -> dict[str, Any]:
 
 def _ordered_labels(labelled: pd.DataFrame) -> list[str]:
     policy_of = labelled.groupby("label")["policy"].first()
-    return sorted(policy_of.index, key=lambda label: (policy_sort_key(str(policy_of[label])), label))
+    return sorted(
+        policy_of.index, key=lambda label: (policy_sort_key(str(policy_of[label])), _natural_key(label))
+    )
 
 
 def _log2_xaxis(ax: Axes, values: Any) -> None:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The CPU reproduction (docs/results.md): every reproduce_cpu_* sweep into results/cpu/runs, then the
+# collected table and the figures. Resumable: runs whose directory is complete are skipped (resume=true).
+#   make reproduce-cpu                    # or: bash experiments/reproduce_cpu.sh [extra Hydra overrides]
+# PY selects the interpreter (default .venv/bin/python); REPRODUCE_SWEEPS a subset of the sweeps (names
+# without the reproduce_cpu_ prefix, space-separated; default all); extra arguments go to every sweep.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=results/cpu
+# Order: the cheap references first, the budget-512 rmm lag grid last (the first thing to drop if too slow).
+read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512}"
+
+for sweep in "${SWEEPS[@]}"; do
+    start=$(date +%s)
+    echo "== reproduce_cpu_${sweep} ($(date -u +%H:%M:%S) UTC)"
+    "$PY" run.py -m "experiment=reproduce_cpu_${sweep}" "$@"
+    echo "== reproduce_cpu_${sweep}: $(($(date +%s) - start)) s"
+done
+rm -f "$OUT/runs/multirun.yaml"  # Hydra's record of the last sweep only; each run keeps its own config.yaml
+
+"$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md"
+# Budget 128 for ppl_vs_lag and cumulative_ppl: the budget with the weight and after_commit ablations.
+"$PY" experiments/figures.py "$OUT/runs.csv" --out "$OUT/figures" --budget 128
+# window and random (ppl up to 292) squeeze the other policies into a thin band on a linear axis:
+# the same two figures without them.
+"$PY" - "$OUT" <<'PYTHON'
+import sys
+
+sys.path.insert(0, ".")
+from experiments import figures
+from experiments.collect import load_runs
+
+out = sys.argv[1]
+frame = load_runs(f"{out}/runs.csv")
+close = frame[~frame["policy"].isin(["window", "random"])]
+figures.ppl_vs_budget(close, f"{out}/figures/no_window_random")
+figures.cumulative_ppl(close, f"{out}/figures/no_window_random", budget=128)
+print(f"wrote ppl_vs_budget, cumulative_ppl without window and random to {out}/figures/no_window_random")
+PYTHON
