@@ -71,14 +71,16 @@ def load_tokens(tokenizer, n: int) -> torch.Tensor:
 
 def stream_peak(n: int, budget: int, chunk: int) -> None:
     """Child process: stream n tokens with ``window`` and print the peak memory as JSON."""
-    from rmm.metrics import peak_memory_bytes
+    from rmm.metrics import PeakMemory
 
     model, tokenizer = load_model(
         OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
     tokens = load_tokens(tokenizer, n)
-    StreamingEngine(model, make_policy({"name": "window"}, budget=budget, chunk=chunk)).stream(tokens)
-    print(json.dumps({"tokens": tokens.numel(), "peak": peak_memory_bytes(torch.device("cpu"))}))
+    memory = PeakMemory(torch.device("cpu"))
+    engine = StreamingEngine(model, make_policy({"name": "window"}, budget=budget, chunk=chunk))
+    engine.stream(tokens, on_chunk=lambda streamed, nll: memory.sample())
+    print(json.dumps({"tokens": tokens.numel(), "peak": memory.bytes()}))
 
 
 def memory_check(lengths: list[int], budget: int, chunk: int) -> None:

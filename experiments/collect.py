@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -193,7 +194,7 @@ def main_table(frame: pd.DataFrame, digits: int = 2) -> str:
             rows.append(["full"] + [f"{full.mean():.{digits}f}"] * max(len(budgets), 1))
         pivot = evicting.pivot_table(index="label", columns="budget", values="ppl", aggfunc="mean")
         policy_of = evicting.groupby("label")["policy"].first()
-        for label in sorted(pivot.index, key=lambda lab: (policy_sort_key(policy_of[lab]), lab)):
+        for label in sorted(pivot.index, key=lambda lab: (policy_sort_key(policy_of[lab]), _natural(lab))):
             rows.append(
                 [label]
                 + [
@@ -205,6 +206,11 @@ def main_table(frame: pd.DataFrame, digits: int = 2) -> str:
         heading = " / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,)))
         sections.append((f"### {heading}\n\n" if len(groups) > 1 else "") + _markdown(table))
     return "\n\n".join(sections) + "\n"
+
+
+def _natural(label: str) -> list:
+    """Sort key that orders the numbers inside a label by value (lag=8 before lag=16)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", label)]
 
 
 def summary(frame: pd.DataFrame) -> str:

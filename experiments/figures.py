@@ -196,6 +196,7 @@ def ppl_vs_budget(
     _log2_xaxis(ax, labelled["budget"])
     ax.set_xlabel("KV budget B (entries per head)")
     ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
     ax.set_title(
         f"Perplexity vs budget — {_setting_title(frame)}{_rmm_note(labelled, rmm_weight, rmm_after_commit)}",
         fontsize=10,
@@ -205,12 +206,13 @@ def ppl_vs_budget(
 
 
 def _lag_budget(rmm: pd.DataFrame, budget: float | None) -> float | None:
-    """The given budget, else the largest budget with rmm runs at >= 2 lags, else the largest rmm budget."""
+    """The given budget, else the budget with the most rmm configurations (lags x weights x
+    after_commit; the largest such budget on ties)."""
     if budget is not None:
         return budget if (rmm["budget"] == budget).any() else None
-    lags = rmm.groupby("budget")["lag"].nunique()
-    swept = lags[lags >= 2]
-    return float((swept if not swept.empty else lags).index.max())
+    keys = [c for c in ("lag", "policy.weight", "policy.after_commit") if c in rmm.columns]
+    configs = rmm.groupby("budget")[keys].apply(lambda group: len(group.drop_duplicates()))
+    return float(configs[configs == configs.max()].index.max())
 
 
 def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = None) -> Figure | None:
@@ -322,6 +324,7 @@ def cumulative_ppl(
         )
     ax.set_xlabel("position in stream (tokens)")
     ax.set_ylabel("cumulative perplexity")
+    ax.set_yscale("log")
     ax.set_title(
         f"Cumulative perplexity at B={chosen:g} — {_setting_title(frame)}\n"
         "each policy in its best configuration at this budget",

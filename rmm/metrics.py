@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import resource
-import sys
 from dataclasses import dataclass, field
 
 import pandas as pd
+import psutil
 import torch
 from scipy.stats import spearmanr
 
@@ -63,17 +62,27 @@ def kv_cache_bytes(budget: int, n_layers: int, n_kv_heads: int, head_dim: int, d
     return budget * n_layers * n_kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+class PeakMemory:
+    """Peak memory of one run: CUDA max allocated on a GPU; on the CPU the largest resident set size
+    sampled after every chunk (the process's own high-water mark would carry over between the jobs of
+    a sweep that share a process)."""
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.sample()
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA max allocated on a GPU, else the process's peak resident set size."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    def sample(self) -> None:
+        if self.device.type != "cuda":
+            self.peak = max(self.peak, psutil.Process().memory_info().rss)
+
+    def bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        self.sample()
+        return self.peak
 
 
 def estimator_spearman(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:

@@ -16,7 +16,7 @@ from rmm.data import load_documents
 from rmm.engine import StreamingEngine, record_future
 from rmm.future import FutureRequests
 from rmm.memory import POSITIONS, SCOPES, SlotMemory
-from rmm.metrics import RunTotals, kv_cache_bytes, peak_memory_bytes, reset_peak_memory, summarize
+from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import make_policy
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
@@ -56,7 +56,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
 
     engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
     totals = RunTotals()
-    reset_peak_memory(device)
+    environment = environment_info()  # the code that runs, read before it runs
+    memory = PeakMemory(device)
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
         progress = tqdm(total=data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
         for doc in docs:
@@ -70,7 +71,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                 if cfg.diagnostics.estimator:
                     hook = _estimator_hook(future, totals.estimator_pairs)
             start = time.perf_counter()
-            running = RunningPerplexity(totals, progress, tracker)
+            running = RunningPerplexity(totals, progress, tracker, memory)
             result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=running)
             _sync(device)
             totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start)
@@ -80,7 +81,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         metrics = {
             **summarize(totals),
             "n_skipped_short": data_stats.n_skipped_short,
-            "peak_memory_bytes": peak_memory_bytes(device),
+            "peak_memory_bytes": memory.bytes(),
             "kv_cache_bytes": kv_cache_bytes(
                 budget, dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], dtype
             ),
@@ -99,7 +100,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             "dtype": str(dtype).removeprefix("torch."),
             "run_name": cfg.run_name,
             **{f"policy.{k}": v for k, v in config["policy"].items() if k not in ("name", "tag")},
-            **environment_info(),
+            **environment,
         }
         write_run(run_dir, config, metrics, tokens)
         tracker.finish(metrics, position_perplexity(tokens))
@@ -107,15 +108,20 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
 
 
 class RunningPerplexity:
-    """Per-chunk progress: the bar's token count and running perplexity, logged to W&B every 512 tokens."""
+    """Per-chunk progress: the bar's token count and running perplexity (logged to W&B every 512 tokens),
+    and a memory sample."""
 
-    def __init__(self, totals: RunTotals, progress: tqdm, tracker: Tracker, log_every: int = 512):
+    def __init__(
+        self, totals: RunTotals, progress: tqdm, tracker: Tracker, memory: PeakMemory, log_every: int = 512
+    ):
         self.totals, self.progress, self.tracker, self.log_every = totals, progress, tracker, log_every
+        self.memory = memory
         self.streamed = self.n_scored = 0
         self.last_logged = totals.n_scored
         self.nll_sum = 0.0
 
     def __call__(self, streamed: int, nll: torch.Tensor) -> None:
+        self.memory.sample()
         self.progress.update(streamed - self.streamed)
         self.streamed = streamed
         self.nll_sum += float(nll.sum())
