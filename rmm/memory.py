@@ -53,7 +53,7 @@ class SlotMemory:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         n_layers, n_heads, head_dim = shape
         slots = retained + chunk
-        self.policy, self.retained, self.positions, self.scope = policy, retained, positions, scope
+        self.policy, self.retained, self.scope = policy, retained, scope
         self.rotary = rotary
         self.store_unrotated = positions == "cache" and not policy.per_query
         self.record_attention = record_attention

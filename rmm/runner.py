@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -76,7 +77,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             _sync(device)
             totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start)
         progress.close()
-        tokens = _concat(totals.token_frames)
+        tokens = pd.concat(totals.token_frames, ignore_index=True)
         budget = cfg.budget if policy.budget is not None else max(d.tokens.numel() for d in docs)
         metrics = {
             **summarize(totals),
@@ -198,9 +199,3 @@ def _estimator_hook(future: FutureRequests, pairs: list):
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _concat(frames):
-    import pandas as pd
-
-    return pd.concat(frames, ignore_index=True)
