@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from rmm import integration
 from rmm.future import FutureRequests, RequestRecorder
 from rmm.memory import SlotMemory
+from rmm.models import describe_model
 from rmm.policies import Policy, QueryBatch
 from rmm.policies.window import Window
 
@@ -51,14 +52,8 @@ class StreamingEngine:
     ):
         integration.install(model)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
-        config = model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        n_heads = text_config.num_attention_heads
-        self.shape = (
-            text_config.num_hidden_layers,
-            getattr(text_config, "num_key_value_heads", None) or n_heads,
-            getattr(text_config, "head_dim", None) or text_config.hidden_size // n_heads,
-        )
+        dims = describe_model(model)
+        self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.rotary = integration.Rotary(model).to(self.device)

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from rmm.integration import Rotary
+from rmm.models import describe_model
 from rmm.policies.random_subset import hashed_uniform
 
 
@@ -43,7 +44,7 @@ def reference_attention(model: PreTrainedModel, tokens: torch.Tensor) -> torch.T
     """Full causal eager attention of the whole stream, GQA group summed: [L, H, n, n]."""
     model.set_attn_implementation("eager")
     out = model(tokens[None], output_attentions=True, use_cache=False)
-    n_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    n_kv = describe_model(model)["n_kv_heads"]
     return torch.stack([a[0].view(n_kv, -1, *a.shape[-2:]).sum(1) for a in out.attentions]).float()
 
 
@@ -51,10 +52,8 @@ def reference_attention(model: PreTrainedModel, tokens: torch.Tensor) -> torch.T
 def reference_stream(model: PreTrainedModel, tokens: torch.Tensor, spec: ReferenceSpec):
     """Returns (nll [n-1], correct [n-1]) decoding ``tokens`` one at a time under ``spec``."""
     n = tokens.numel()
-    cfg = model.config
-    n_layers = cfg.num_hidden_layers
-    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dims = describe_model(model)
+    n_layers, n_kv, head_dim = dims["n_layers"], dims["n_kv_heads"], dims["head_dim"]
     rotary = Rotary(model)
     future = None
     if spec.policy == "oracle":

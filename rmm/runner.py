@@ -52,8 +52,9 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             f"dataset {cfg.dataset.name!r} gave no document with at least "
             f"{cfg.dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short)"
         )
+    longest = max(d.tokens.numel() for d in docs)
     needs_future = policy.name == "oracle" or (cfg.diagnostics.estimator and not policy.per_query)
-    context = _reference_context(cfg, dims, max(d.tokens.numel() for d in docs)) if needs_future else None
+    context = _reference_context(cfg, dims, longest) if needs_future else None
 
     engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
     totals = RunTotals()
@@ -78,7 +79,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start)
         progress.close()
         tokens = pd.concat(totals.token_frames, ignore_index=True)
-        budget = cfg.budget if policy.budget is not None else max(d.tokens.numel() for d in docs)
+        budget = cfg.budget if policy.budget is not None else longest
         metrics = {
             **summarize(totals),
             "n_skipped_short": data_stats.n_skipped_short,
