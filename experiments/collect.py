@@ -16,16 +16,8 @@ from typing import Any
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script without an installed package
-
-from rmm.storage import (
-    CONFIG_FILE,
-    METRICS_FILE,
-    TOKENS_FILE,
-    atomic_write_text,
-    read_metrics,
-    run_is_complete,
-)
+from rmm.files import atomic_write_text
+from rmm.storage import CONFIG_FILE, METRICS_FILE, TOKENS_FILE, read_metrics, run_is_complete
 
 log = logging.getLogger(__name__)
 

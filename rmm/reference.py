@@ -15,9 +15,24 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rmm.integration import Rotary
 from rmm.models import describe_model
 from rmm.policies.random_subset import hashed_uniform
+from rmm.rotary import Rotary
+
+POSITION_RULES = ("full", "window", "streaming_llm")
+SCORE_POLICIES = (
+    "h2o",
+    "rmm",
+    "tova",
+    "random",
+    "oracle",
+    "observed_attention",
+    "snapkv",
+    "knorm",
+    "keydiff",
+    "lru",
+    "lagkv",
+)
 
 
 @dataclass
@@ -37,6 +52,10 @@ class ReferenceSpec:
     variant: str = "next_use"
     tau: float = 0.02
     seed: int = 0
+    window: int = 32
+    kernel: int = 5
+    pooling: str = "avg"
+    partition: int = 32
     retained_log: list = field(default_factory=list)  # R_t per query: [L][H] lists of positions
 
 
@@ -64,6 +83,9 @@ def reference_stream(model: PreTrainedModel, tokens: torch.Tensor, spec: Referen
     retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t as sorted position lists
     stats = torch.zeros(n_layers, n_kv, n, dtype=torch.float64)  # accumulated (weighted) attention
     last = torch.zeros(n_layers, n_kv, n, dtype=torch.float64)  # latest query's attention
+    seen = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # j -> number of queries that saw j
+    last_use = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # j -> last s with a_s(j) >= tau
+    rows = []  # per query t: [L][H] {j: a_t(j)}
     nll, correct = torch.zeros(n - 1), torch.zeros(n - 1, dtype=torch.bool)
     for t in range(n):
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
@@ -95,23 +117,29 @@ def reference_stream(model: PreTrainedModel, tokens: torch.Tensor, spec: Referen
             weight = {"correct": float(correct[t]), "prob": math.exp(-nll[t].item())}.get(spec.weight, 1.0)
         else:
             weight = 1.0 if spec.weight == "uniform" else 0.0
+        rows.append([[{} for _ in range(n_kv)] for _ in range(n_layers)])
         for layer in range(n_layers):
             attn = out.attentions[layer][0, :, 0].view(n_kv, -1, m + 1).sum(1).double()  # [H, m + 1]
             for h in range(n_kv):
-                seen = retained[layer][h] + [t]
+                visible = retained[layer][h] + [t]
                 last[layer, h].zero_()
-                for j, a in zip(seen, attn[h].tolist(), strict=True):
+                for j, a in zip(visible, attn[h].tolist(), strict=True):
+                    rows[t][layer][h][j] = a
+                    seen[layer][h][j] = seen[layer][h].get(j, 0) + 1
+                    if a >= spec.tau or j == t:
+                        last_use[layer][h][j] = t
                     last[layer, h, j] = a
-                    if spec.policy == "h2o":
+                    if spec.policy in ("h2o", "observed_attention"):
                         stats[layer, h, j] += a
                     elif spec.policy == "rmm" and (spec.after_commit == "accumulate" or t - j <= spec.lag):
                         stats[layer, h, j] += a * weight
         if t + 1 < n:
-            _decide(spec, retained, t + 1, stats, last, future, n)
+            data = {"keys": raw_keys, "values": values, "seen": seen, "last_use": last_use, "rows": rows}
+            _decide(spec, retained, t + 1, stats, last, future, n, data)
     return nll, correct
 
 
-def _decide(spec: ReferenceSpec, retained: list, now: int, stats, last, future, n: int) -> None:
+def _decide(spec: ReferenceSpec, retained: list, now: int, stats, last, future, n: int, data: dict) -> None:
     """Turn R_{now-1} plus {now-1} into R_now, in place."""
     n_layers, n_kv = len(retained), len(retained[0])
     for layer in range(n_layers):
@@ -125,18 +153,27 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, stats, last, future, 
     if now % spec.chunk != 0:
         return
     capacity = spec.budget - spec.chunk + 1
-    scores = {
-        (layer, h): {
-            j: _score(spec, layer, h, j, now, capacity, stats, last, future, n) for j in retained[layer][h]
+    if spec.policy in NEW_RULES:
+        scores = {
+            (layer, h): NEW_RULES[spec.policy](spec, layer, h, retained[layer][h], now, capacity, stats, data)
+            for layer in range(n_layers)
+            for h in range(n_kv)
         }
-        for layer in range(n_layers)
-        for h in range(n_kv)
-    }
+    else:
+        scores = {
+            (layer, h): {
+                j: _score(spec, layer, h, j, now, capacity, stats, last, future, n)
+                for j in retained[layer][h]
+            }
+            for layer in range(n_layers)
+            for h in range(n_kv)
+        }
     if spec.scope != "head":
         groups = {}
         for (layer, _), table in scores.items():
             groups.setdefault(layer if spec.scope == "layer" else 0, []).append(table)
-        reduce = max if (spec.policy == "oracle" and spec.variant == "next_use") else math.fsum
+        latest = (spec.policy == "oracle" and spec.variant == "next_use") or spec.policy == "lru"
+        reduce = max if latest else math.fsum
         for layer, h in scores:
             tables = groups[layer if spec.scope == "layer" else 0]
             scores[(layer, h)] = {j: _combine(reduce, [tab[j] for tab in tables]) for j in scores[(layer, h)]}
@@ -181,3 +218,89 @@ def _score(
         hits = torch.nonzero(requests >= spec.tau)
         return -float(now + hits[0, 0]) if len(hits) else -float(n)
     raise ValueError(f"reference has no rule for policy {spec.policy!r}")
+
+
+# ---- the rules of observed_attention, snapkv, knorm, keydiff, lru, lagkv -------------------------
+# Each takes one (layer, KV head)'s candidates (sorted positions) at boundary ``now`` and returns
+# {position: score}; math.inf marks a position that is always kept. Plain Python over explicit lists.
+
+
+def _observed_attention(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+    """A_j / n_j, the r = floor(rho * B') most recent positions kept."""
+    recent = int(spec.rho * capacity)
+    seen = data["seen"][layer][h]
+    return {j: math.inf if j >= now - recent else stats[layer, h, j].item() / seen[j] for j in candidates}
+
+
+def _snapkv(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+    """Mean attention of the chunk's last min(window, C) queries, pooled over position-sorted neighbours."""
+    queries = range(now - min(spec.window, spec.chunk), now)
+    rows = [data["rows"][s][layer][h] for s in queries]
+    mean = [math.fsum(row.get(j, 0.0) for row in rows) / len(rows) for j in candidates]
+    half = spec.kernel // 2
+    scores = {}
+    for i, j in enumerate(candidates):
+        around = [mean[i + d] if 0 <= i + d < len(candidates) else 0.0 for d in range(-half, half + 1)]
+        pooled = math.fsum(around) / spec.kernel if spec.pooling == "avg" else max(around)
+        scores[j] = math.inf if j >= now - spec.window else pooled
+    return scores
+
+
+def _knorm(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+    """Minus the L2 norm of the key."""
+    keys = data["keys"][layer]
+    return {j: -math.sqrt(math.fsum(x * x for x in keys[j, h].double().tolist())) for j in candidates}
+
+
+def _keydiff(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+    """Minus the cosine similarity of the unrotated key to the mean normalised key."""
+    keys = data["keys"][layer]
+    units = {}
+    for j in candidates:
+        k = keys[j, h].double().tolist()
+        norm = math.sqrt(math.fsum(x * x for x in k))
+        units[j] = [x / norm for x in k]
+    n_channels = len(units[candidates[0]])
+    mean = [math.fsum(units[j][c] for j in candidates) / len(candidates) for c in range(n_channels)]
+    mean_norm = math.sqrt(math.fsum(x * x for x in mean))
+    return {j: -math.fsum(a * b for a, b in zip(units[j], mean, strict=True)) / mean_norm for j in candidates}
+
+
+def _lru(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+    """The last query s with a_s(j) >= tau, or j itself."""
+    return {j: float(data["last_use"][layer][h][j]) for j in candidates}
+
+
+def _lagkv(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+    """Partitions of P from the most recent end, each normalised by the next; sinks and partition 0 kept."""
+    scores = {j: math.inf for j in candidates}
+    rest = [j for j in candidates if j >= spec.sinks][::-1]  # most recent first
+    parts = [rest[i : i + spec.partition] for i in range(0, len(rest), spec.partition)]
+    for p in range(1, len(parts)):
+        total = dict.fromkeys(parts[p], 0.0)
+        for source in (data["keys"], data["values"]):
+            rows = {j: source[layer][j, h].double().tolist() for j in parts[p] + parts[p - 1]}
+            n_channels = len(rows[parts[p][0]])
+            low = [min(rows[i][c] for i in parts[p - 1]) for c in range(n_channels)]
+            high = [max(rows[i][c] for i in parts[p - 1]) for c in range(n_channels)]
+            spread = {}
+            for j in parts[p]:
+                normed = [(rows[j][c] - low[c]) / max(high[c] - low[c], 1e-6) for c in range(n_channels)]
+                mu = math.fsum(normed) / n_channels
+                spread[j] = math.sqrt(math.fsum((x - mu) ** 2 for x in normed) / (n_channels - 1))
+            top = max(spread.values())
+            denominator = math.fsum(math.exp(v - top) for v in spread.values())
+            for j in parts[p]:
+                total[j] += math.exp(spread[j] - top) / denominator
+        scores.update(total)
+    return scores
+
+
+NEW_RULES = {
+    "observed_attention": _observed_attention,
+    "snapkv": _snapkv,
+    "knorm": _knorm,
+    "keydiff": _keydiff,
+    "lru": _lru,
+    "lagkv": _lagkv,
+}

@@ -54,3 +54,9 @@ def tiny_models() -> dict[str, PreTrainedModel]:
 @pytest.fixture(scope="session")
 def tokens() -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (48,), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="session")
+def distinct_tokens() -> torch.Tensor:
+    """48 tokens, none repeated, so no two keys of a layer are equal by construction."""
+    return torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(1))[:48]

@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from rmm.engine import StreamingEngine
 from rmm.future import RequestRecorder
-from rmm.integration import Rotary
 from rmm.policies import make_policy
+from rmm.rotary import Rotary
 
 
 def forward_loss(model, tokens: torch.Tensor) -> float:
@@ -69,7 +69,7 @@ def test_memory_does_not_grow_with_the_stream(tiny_models, name):
     engine = StreamingEngine(model, policy)
 
     def memory_bytes(n: int) -> int:
-        memory = engine.new_memory(n, record_attention=policy.needs_attention)
+        memory = engine.new_memory(n, record_attention="attention" in policy.needs)
         tensors = [memory.keys, memory.values, memory.key_pos, *memory.state.values()]
         tensors += [memory.attn] if memory.attn is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -95,8 +95,15 @@ def test_attended_counts_follow_the_budget(tiny_models, tokens):
         ({"name": "window"}, 8, 16, "must not exceed budget"),
         ({"name": "rmm", "lag": 64}, 64, 1, "lag (64) must be smaller"),
         ({"name": "rmm", "lag": 60}, 64, 8, "budget - chunk + 1 = 57"),
-        ({"name": "rmm", "weight": "maybe"}, 64, 8, "policy.weight must be one of"),
-        ({"name": "rmm", "after_commit": "later"}, 64, 8, "policy.after_commit must be one of"),
+        ({"name": "rmm", "lag": 8, "weight": "maybe"}, 64, 8, "policy.weight must be one of"),
+        ({"name": "rmm", "lag": 8, "after_commit": "later"}, 64, 8, "policy.after_commit must be one of"),
+        ({"name": "rmm"}, 64, 8, "missing 1 required positional argument: 'lag'"),
+        ({"name": "snapkv", "window": 60}, 64, 8, "policy.window (60) must be smaller"),
+        ({"name": "snapkv", "kernel": 4}, 64, 8, "policy.kernel must be an odd integer"),
+        ({"name": "snapkv", "pooling": "median"}, 64, 8, "policy.pooling must be one of"),
+        ({"name": "lru", "tau": 0.0}, 64, 8, "policy.tau must be > 0"),
+        ({"name": "lagkv", "partition": 1}, 64, 8, "policy.partition must be >= 2"),
+        ({"name": "lagkv", "partition": 50, "sinks": 8}, 64, 8, "policy.sinks + policy.partition (58)"),
         ({"name": "h2o", "rho": 1.0}, 64, 8, "policy.rho must be in [0, 1)"),
         ({"name": "random", "rho": -0.1}, 64, 8, "policy.rho must be in [0, 1)"),
         ({"name": "oracle", "variant": "psychic"}, 64, 8, "policy.variant must be one of"),
