@@ -1,10 +1,27 @@
 """A slow, obviously-correct reference: token-by-token decoding with physical eviction.
 
-For every token the model runs once with eager attention over a Hugging Face ``DynamicCache`` that
-holds exactly the retained set R_t of each (layer, KV head), rebuilt from unrotated keys at the
-positions the protocol prescribes (original positions, or ranks for ``positions=cache``). Policy
-rules are written out directly from the protocol (python over explicit position lists), sharing
-nothing with :mod:`rmm.policies` except the seeded hash of ``random``. Used by the tests.
+For every token the model runs once, with eager attention, over a Hugging Face ``DynamicCache`` that
+holds exactly the retained set R_t of each (layer, KV head). Every rule is written out here, plainly,
+from the protocol (docs/semantics.md), in Python over explicit position lists and float64 sums.
+
+**What it shares with the harness: nothing but transformers.** It imports only the standard library,
+torch and transformers (the model itself, its config and ``DynamicCache``); nothing from
+``rmm.engine``, ``rmm.memory``, ``rmm.integration``, ``rmm.policies``, ``rmm.future`` or ``rmm.models``.
+In particular it has
+
+- its own RoPE: inverse frequencies derived from the model config (``default``, ``linear`` and
+  ``llama3`` rope types, partial rotary as in GPT-NeoX), rotations in float64 with the
+  ``rotate_half`` pairing. With ``positions=original`` no rotation is done at all: every key stays
+  exactly as the model rotated it at its own position. With ``positions=cache`` every retained key is
+  re-rotated, every step, from the position the model produced it at to its rank in the cache;
+  the query is rotated by the model at rank |R_t|;
+- its own model shape reading, its own seeded hash for ``random`` (splitmix64 on Python integers),
+  its own oracle reference attention (a plain full forward pass, or this decoder under ``window``
+  for a windowed reference context);
+- its own rules for the policies that rank keys and values (knorm, keydiff, lagkv): each key is rotated
+  back, in float64 with this RoPE, from the position the model produced it at;
+- its own scores: accumulated attention in float64 dictionaries, ranking by explicit sorting
+  (higher score kept, ties to the more recent position, as the protocol states).
 """
 
 from __future__ import annotations
@@ -14,10 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-
-from rmm.models import describe_model
-from rmm.policies.random_subset import hashed_uniform
-from rmm.rotary import Rotary
 
 POSITION_RULES = ("full", "window", "streaming_llm")
 SCORE_POLICIES = (
@@ -37,7 +50,7 @@ SCORE_POLICIES = (
 
 @dataclass
 class ReferenceSpec:
-    """The policy, spelled out. ``budget`` None means unbounded."""
+    """The policy, spelled out. ``budget`` None means unbounded; ``context`` is the oracle's window."""
 
     policy: str
     budget: int | None = None
@@ -52,193 +65,336 @@ class ReferenceSpec:
     variant: str = "next_use"
     tau: float = 0.02
     seed: int = 0
+    context: int | None = None
     window: int = 32
     kernel: int = 5
     pooling: str = "avg"
     partition: int = 32
-    retained_log: list = field(default_factory=list)  # R_t per query: [L][H] lists of positions
+    retained_log: list = field(default_factory=list)  # R_t per query t: [L][H] sorted position lists
+    attention_log: list = field(default_factory=list)  # per query t: [L][H] {key position: attention}
 
 
-def reference_attention(model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
-    """Full causal eager attention of the whole stream, GQA group summed: [L, H, n, n]."""
-    model.set_attn_implementation("eager")
-    out = model(tokens[None], output_attentions=True, use_cache=False)
-    n_kv = describe_model(model)["n_kv_heads"]
-    return torch.stack([a[0].view(n_kv, -1, *a.shape[-2:]).sum(1) for a in out.attentions]).float()
+# ---- model facts and RoPE, from the config ------------------------------------------------------
+def model_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) read from the model's config."""
+    config = model.config
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return config.num_hidden_layers, n_kv, head_dim
 
 
+def rope_frequencies(config) -> list[float]:
+    """Inverse frequencies (float64) of the rotated pairs, from the config's rope parameters.
+
+    Supports the rope types of the shipped models: ``default``, ``linear`` and ``llama3``, with partial
+    rotary (``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``).
+    """
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    partial = params.get(
+        "partial_rotary_factor",
+        getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None) or 1.0,
+    )
+    n_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    dim = int(head_dim * partial)
+    inv_freq = [1.0 / theta ** (2 * i / dim) for i in range(dim // 2)]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return [f / params["factor"] for f in inv_freq]
+    if rope_type == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_context = params["original_max_position_embeddings"]
+        scaled = []
+        for f in inv_freq:
+            wavelen = 2 * math.pi / f
+            if wavelen < old_context / high:  # high frequencies: unchanged
+                scaled.append(f)
+            elif wavelen > old_context / low:  # low frequencies: interpolated by the factor
+                scaled.append(f / factor)
+            else:  # in between: a smooth mix of the two
+                smooth = (old_context / wavelen - low) / (high - low)
+                scaled.append((1 - smooth) * f / factor + smooth * f)
+        return scaled
+    raise ValueError(f"the reference has no RoPE rule for rope_type {rope_type!r}")
+
+
+def rope_rotate(x: torch.Tensor, shift: list[float], inv_freq: list[float]) -> torch.Tensor:
+    """Rotate ``x`` [P, head_dim] by ``shift[p]`` positions per row (rotate_half pairing: i, i + d/2)."""
+    half = len(inv_freq)
+    out = x.double().clone()
+    angles = torch.tensor(shift, dtype=torch.float64)[:, None] * torch.tensor(inv_freq, dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+    first, second = x.double()[:, :half], x.double()[:, half : 2 * half]
+    out[:, :half] = first * cos - second * sin
+    out[:, half : 2 * half] = second * cos + first * sin
+    return out.to(x.dtype)
+
+
+def splitmix_uniform(seed: int, layer: int, head: int, position: int) -> float:
+    """The seeded priority of ``random`` in [0, 1): splitmix64 of (seed, layer, head, position)."""
+    mask64 = (1 << 64) - 1
+    x = (((seed * 1_000_003 + layer) * 1_000_003 + head) * 1_000_003 + position) & mask64
+    x = (x + 0x1E3779B97F4A7C15) & mask64
+    x = ((x ^ (x >> 30)) * 0x3F58476D1CE4E5B9) & mask64
+    x = ((x ^ (x >> 27)) * 0x14D049BB133111EB) & mask64
+    x = x ^ (x >> 31)
+    return ((x >> 11) & ((1 << 52) - 1)) / float(1 << 52)
+
+
+# ---- the oracle's reference attention -----------------------------------------------------------
 @torch.no_grad()
-def reference_stream(model: PreTrainedModel, tokens: torch.Tensor, spec: ReferenceSpec):
-    """Returns (nll [n-1], correct [n-1]) decoding ``tokens`` one at a time under ``spec``."""
+def reference_attention(model: PreTrainedModel, tokens: torch.Tensor, context: int | None = None):
+    """Reference attention a*_s(j), GQA group summed: float64 [L, H, n, n] (query s, key j).
+
+    Full causal attention (one plain eager forward pass), or with ``context`` = W, attention over the
+    W previous positions: this decoder under ``window`` with budget W.
+    """
+    n_layers, n_kv, _ = model_shape(model)
     n = tokens.numel()
-    dims = describe_model(model)
-    n_layers, n_kv, head_dim = dims["n_layers"], dims["n_kv_heads"], dims["head_dim"]
-    rotary = Rotary(model)
+    if context is None or context >= n - 1:
+        model.set_attn_implementation("eager")
+        out = model(tokens[None], output_attentions=True, use_cache=False)
+        return torch.stack(
+            [a[0].double().view(n_kv, -1, n, n).sum(1) for a in out.attentions]
+        )  # [L, H, n, n]
+    spec = ReferenceSpec(policy="window", budget=context)
+    reference_stream(model, tokens, spec, record_attention=True)
+    dense = torch.zeros(n_layers, n_kv, n, n, dtype=torch.float64)
+    for s, per_layer in enumerate(spec.attention_log):
+        for layer in range(n_layers):
+            for h in range(n_kv):
+                for j, a in per_layer[layer][h].items():
+                    dense[layer, h, s, j] = a
+    return dense
+
+
+# ---- the decoder --------------------------------------------------------------------------------
+@torch.no_grad()
+def reference_stream(
+    model: PreTrainedModel, tokens: torch.Tensor, spec: ReferenceSpec, record_attention: bool = False
+):
+    """Returns (nll [n-1], correct [n-1]) decoding ``tokens`` [n] one at a time under ``spec``.
+
+    Fills ``spec.retained_log`` (R_t for every query t) and, with ``record_attention``,
+    ``spec.attention_log``.
+    """
+    n = tokens.numel()
+    n_layers, n_kv, _ = model_shape(model)
+    inv_freq = rope_frequencies(model.config) if spec.positions == "cache" else []
     future = None
     if spec.policy == "oracle":
-        future = reference_attention(model, tokens)
+        future = reference_attention(model, tokens, spec.context)
     model.set_attn_implementation("eager")
-    raw_keys = torch.zeros(n_layers, n, n_kv, head_dim)
-    values = torch.zeros(n_layers, n, n_kv, head_dim)
-    retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t as sorted position lists
-    stats = torch.zeros(n_layers, n_kv, n, dtype=torch.float64)  # accumulated (weighted) attention
-    last = torch.zeros(n_layers, n_kv, n, dtype=torch.float64)  # latest query's attention
-    seen = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # j -> number of queries that saw j
-    last_use = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # j -> last s with a_s(j) >= tau
-    rows = []  # per query t: [L][H] {j: a_t(j)}
+    # per (layer, head): key j -> (key as the model produced it, position it was rotated at), value j
+    keys = [[{} for _ in range(n_kv)] for _ in range(n_layers)]
+    values = [[{} for _ in range(n_kv)] for _ in range(n_layers)]
+    made_at: dict[int, int] = {}
+    retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t, sorted position lists
+    utility = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # h2o / rmm accumulated attention
+    last = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # tova: the latest query's attention
+    # what the rules of the other score-based policies read (see _LIST_RULES)
+    seen_by = {
+        "rows": [],  # per query t: [L][H] {j: a_t(j)}
+        "count": [[{} for _ in range(n_kv)] for _ in range(n_layers)],  # j -> queries that saw j
+        "last_use": [[{} for _ in range(n_kv)] for _ in range(n_layers)],  # j -> last s with a_s(j) >= tau
+        "utility": utility,
+        "keys": keys,
+        "values": values,
+        "made_at": made_at,
+        "inv_freq": rope_frequencies(model.config) if spec.policy in ("knorm", "keydiff", "lagkv") else [],
+    }
     nll, correct = torch.zeros(n - 1), torch.zeros(n - 1, dtype=torch.bool)
     for t in range(n):
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
         m = len(retained[0][0])
+        query_pos = t if spec.positions == "original" else m
         cache = DynamicCache()
         for layer in range(n_layers):
-            index = torch.tensor(retained[layer], dtype=torch.long).view(n_kv, m)
-            heads = torch.arange(n_kv)[:, None]
-            key_pos = index if spec.positions == "original" else torch.arange(m).expand(n_kv, m)
-            keys = rotary.rotate(raw_keys[layer][index, heads], key_pos)  # [H, m, D]
-            cache.update(keys[None], values[layer][index, heads][None], layer)
-        query_pos = t if spec.positions == "original" else m
+            layer_keys, layer_values = [], []
+            for h in range(n_kv):
+                kept = retained[layer][h]
+                head_keys = torch.stack([keys[layer][h][j] for j in kept]) if kept else None
+                if head_keys is not None and spec.positions == "cache":  # key j moves to its rank
+                    head_keys = rope_rotate(head_keys, [r - made_at[j] for r, j in enumerate(kept)], inv_freq)
+                layer_keys.append(head_keys)
+                layer_values.append(torch.stack([values[layer][h][j] for j in kept]) if kept else None)
+            if m:
+                cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
         out = model(
             tokens[None, t : t + 1],
             position_ids=torch.tensor([[query_pos]]),
-            cache=cache,
+            cache=cache if m else None,
             use_cache=True,
             output_attentions=True,
         )
+        made_at[t] = query_pos
         for layer in range(n_layers):
-            new_key = out.past_key_values.layers[layer].keys[0, :, -1]  # [H, D], rotated at query_pos
-            raw_keys[layer, t] = rotary.rotate(new_key, torch.tensor(-query_pos))
-            values[layer, t] = out.past_key_values.layers[layer].values[0, :, -1]
-        log_probs = torch.log_softmax(out.logits[0, -1].float(), -1)
-        weight = 1.0
+            produced = out.past_key_values.layers[layer]
+            for h in range(n_kv):
+                keys[layer][h][t] = produced.keys[0, h, -1].clone()
+                values[layer][h][t] = produced.values[0, h, -1].clone()
+        log_probs = torch.log_softmax(out.logits[0, -1].double(), -1)
         if t + 1 < n:
             nll[t] = -log_probs[tokens[t + 1]]
-            correct[t] = bool(log_probs.argmax() == tokens[t + 1])
-            weight = {"correct": float(correct[t]), "prob": math.exp(-nll[t].item())}.get(spec.weight, 1.0)
-        else:
-            weight = 1.0 if spec.weight == "uniform" else 0.0
-        rows.append([[{} for _ in range(n_kv)] for _ in range(n_layers)])
+            correct[t] = int(log_probs.argmax()) == int(tokens[t + 1])
+            weight = {"correct": float(correct[t]), "prob": math.exp(log_probs[tokens[t + 1]].item())}
+        else:  # the document's last query has no target
+            weight = {"correct": 0.0, "prob": 0.0}
+        weight["uniform"] = 1.0
+        step_attention = []
         for layer in range(n_layers):
-            attn = out.attentions[layer][0, :, 0].view(n_kv, -1, m + 1).sum(1).double()  # [H, m + 1]
+            heads = out.attentions[layer][0, :, 0].double()  # [n_heads, m + 1]
+            group = heads.shape[0] // n_kv
+            per_head = []
             for h in range(n_kv):
-                visible = retained[layer][h] + [t]
-                last[layer, h].zero_()
-                for j, a in zip(visible, attn[h].tolist(), strict=True):
-                    rows[t][layer][h][j] = a
-                    seen[layer][h][j] = seen[layer][h].get(j, 0) + 1
+                summed = heads[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
+                seen = dict(zip(retained[layer][h] + [t], summed, strict=True))
+                per_head.append(seen)
+                last[layer][h] = seen
+                for j, a in seen.items():
+                    seen_by["count"][layer][h][j] = seen_by["count"][layer][h].get(j, 0) + 1
                     if a >= spec.tau or j == t:
-                        last_use[layer][h][j] = t
-                    last[layer, h, j] = a
+                        seen_by["last_use"][layer][h][j] = t
                     if spec.policy in ("h2o", "observed_attention"):
-                        stats[layer, h, j] += a
-                    elif spec.policy == "rmm" and (spec.after_commit == "accumulate" or t - j <= spec.lag):
-                        stats[layer, h, j] += a * weight
-        if t + 1 < n:
-            data = {"keys": raw_keys, "values": values, "seen": seen, "last_use": last_use, "rows": rows}
-            _decide(spec, retained, t + 1, stats, last, future, n, data)
+                        utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a
+                    if spec.policy == "rmm" and (spec.after_commit == "accumulate" or t - j <= spec.lag):
+                        utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a * weight[spec.weight]
+            step_attention.append(per_head)
+        seen_by["rows"].append(step_attention)
+        if record_attention:
+            spec.attention_log.append(step_attention)
+        for layer in range(n_layers):
+            for h in range(n_kv):
+                retained[layer][h].append(t)
+        now = t + 1
+        if now == n:
+            break
+        if spec.policy in POSITION_RULES:
+            for layer in range(n_layers):
+                for h in range(n_kv):
+                    retained[layer][h] = [j for j in retained[layer][h] if _visible(spec, now, j)]
+        elif now % spec.chunk == 0:
+            _decide(spec, retained, now, n, utility, last, future, seen_by)
     return nll, correct
 
 
-def _decide(spec: ReferenceSpec, retained: list, now: int, stats, last, future, n: int, data: dict) -> None:
-    """Turn R_{now-1} plus {now-1} into R_now, in place."""
-    n_layers, n_kv = len(retained), len(retained[0])
-    for layer in range(n_layers):
-        for h in range(n_kv):
-            retained[layer][h].append(now - 1)
-    if spec.policy in ("full", "window", "streaming_llm"):
-        for layer in range(n_layers):
-            for h in range(n_kv):
-                retained[layer][h] = [j for j in retained[layer][h] if _visible(spec, now, j)]
-        return
-    if now % spec.chunk != 0:
-        return
-    capacity = spec.budget - spec.chunk + 1
-    if spec.policy in NEW_RULES:
-        scores = {
-            (layer, h): NEW_RULES[spec.policy](spec, layer, h, retained[layer][h], now, capacity, stats, data)
-            for layer in range(n_layers)
-            for h in range(n_kv)
-        }
-    else:
-        scores = {
-            (layer, h): {
-                j: _score(spec, layer, h, j, now, capacity, stats, last, future, n)
-                for j in retained[layer][h]
-            }
-            for layer in range(n_layers)
-            for h in range(n_kv)
-        }
-    if spec.scope != "head":
-        groups = {}
-        for (layer, _), table in scores.items():
-            groups.setdefault(layer if spec.scope == "layer" else 0, []).append(table)
-        latest = (spec.policy == "oracle" and spec.variant == "next_use") or spec.policy == "lru"
-        reduce = max if latest else math.fsum
-        for layer, h in scores:
-            tables = groups[layer if spec.scope == "layer" else 0]
-            scores[(layer, h)] = {j: _combine(reduce, [tab[j] for tab in tables]) for j in scores[(layer, h)]}
-    for (layer, h), table in scores.items():
-        ranked = sorted(table, key=lambda j: (table[j], j), reverse=True)
-        retained[layer][h] = sorted(ranked[:capacity])
-
-
-def _combine(reduce, values: list[float]) -> float:
-    return math.inf if math.inf in values else reduce(values)
-
-
 def _visible(spec: ReferenceSpec, now: int, j: int) -> bool:
+    """Position rules: may query ``now`` see key ``j``?"""
     if spec.policy == "full":
         return True
     if spec.policy == "window":
         return j >= now - spec.budget
-    return j < spec.sinks or j >= now - (spec.budget - spec.sinks)
-
-
-def _score(
-    spec: ReferenceSpec, layer: int, h: int, j: int, now: int, capacity: int, stats, last, future, n: int
-) -> float:
-    if spec.policy in ("h2o", "random") and j >= now - int(spec.rho * capacity):
-        return math.inf
-    if spec.policy == "rmm" and j >= now - spec.lag:
-        return math.inf
-    if spec.policy in ("h2o", "rmm"):
-        return float(torch.tensor(stats[layer, h, j].item(), dtype=torch.float32))
-    if spec.policy == "tova":
-        return float(torch.tensor(last[layer, h, j].item(), dtype=torch.float32))
-    if spec.policy == "random":
-        return (
-            hashed_uniform(spec.seed, torch.tensor([[[j]]]).expand(layer + 1, h + 1, 1))[layer, h, 0]
-            .float()
-            .item()
-        )
-    if spec.policy == "oracle":
-        requests = future[layer, h, now:, j]
-        if spec.variant == "future_mass":
-            return float(requests[requests >= spec.tau].sum())
-        hits = torch.nonzero(requests >= spec.tau)
-        return -float(now + hits[0, 0]) if len(hits) else -float(n)
+    if spec.policy == "streaming_llm":
+        return j < spec.sinks or j >= now - (spec.budget - spec.sinks)
     raise ValueError(f"reference has no rule for policy {spec.policy!r}")
 
 
-# ---- the rules of observed_attention, snapkv, knorm, keydiff, lru, lagkv -------------------------
-# Each takes one (layer, KV head)'s candidates (sorted positions) at boundary ``now`` and returns
-# {position: score}; math.inf marks a position that is always kept. Plain Python over explicit lists.
+def _decide(spec: ReferenceSpec, retained: list, now: int, n: int, utility, last, future, seen_by) -> None:
+    """At boundary ``now``: keep B' = B - C + 1 of the candidates (R plus the chunk), in place."""
+    n_layers, n_kv = len(retained), len(retained[0])
+    capacity = spec.budget - spec.chunk + 1
+    if spec.scope == "head":
+        groups = [[(layer, h)] for layer in range(n_layers) for h in range(n_kv)]
+    elif spec.scope == "layer":
+        groups = [[(layer, h) for h in range(n_kv)] for layer in range(n_layers)]
+    else:
+        groups = [[(layer, h) for layer in range(n_layers) for h in range(n_kv)]]
+    for members in groups:
+        candidates = retained[members[0][0]][members[0][1]]
+        assert all(retained[layer][h] == candidates for layer, h in members), "a shared set diverged"
+        if spec.policy in _LIST_RULES:
+            keep = _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by)
+        else:
+            keep = _choose(spec, members, candidates, now, n, capacity, utility, last, future)
+        for layer, h in members:
+            retained[layer][h] = sorted(keep)
 
 
-def _observed_attention(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
-    """A_j / n_j, the r = floor(rho * B') most recent positions kept."""
+def _choose(spec, members, candidates, now, n, capacity, utility, last, future) -> list[int]:
+    """Which ``capacity`` candidates survive, by the policy's rule (shared over ``members``)."""
+    if spec.policy == "oracle" and spec.variant == "next_use":
+        # Belady: keep the soonest next requests (a shared set serves whoever needs a key first);
+        # a never-requested key's next request is at infinity; ties keep the more recent position
+        soonest = {
+            j: min(_next_request(future, layer, h, j, now, spec.tau) for layer, h in members)
+            for j in candidates
+        }
+        return sorted(candidates, key=lambda j: (soonest[j], -j))[:capacity]
+    if spec.policy in ("h2o", "random"):
+        protected = int(spec.rho * capacity)
+    elif spec.policy == "rmm":
+        protected = spec.lag
+    else:
+        protected = 0
+    kept = [j for j in candidates if j >= now - protected]  # the recent window / provisional buffer
+    rest = [j for j in candidates if j < now - protected]
+    score = {
+        j: math.fsum(_score(spec, layer, h, j, now, utility, last, future) for layer, h in members)
+        for j in rest
+    }
+    ranked = sorted(rest, key=lambda j: (score[j], j), reverse=True)  # higher first, then more recent
+    return kept + ranked[: capacity - len(kept)]
+
+
+def _score(spec, layer: int, h: int, j: int, now: int, utility, last, future) -> float:
+    if spec.policy in ("h2o", "rmm"):
+        return utility[layer][h].get(j, 0.0)
+    if spec.policy == "tova":
+        return last[layer][h][j]
+    if spec.policy == "random":
+        return splitmix_uniform(spec.seed, layer, h, j)
+    if spec.policy == "oracle":  # future_mass: remaining requested reference attention
+        return math.fsum(a for a in future[layer, h, now:, j].tolist() if a >= spec.tau)
+    raise ValueError(f"reference has no rule for policy {spec.policy!r}")
+
+
+def _next_request(future: torch.Tensor, layer: int, h: int, j: int, now: int, tau: float) -> float:
+    """The first query s >= now whose reference attention on j is at least tau; infinity if none."""
+    for s in range(now, future.shape[2]):
+        if future[layer, h, s, j] >= tau:
+            return s
+    return math.inf
+
+
+# ---- observed_attention, snapkv, knorm, keydiff, lru, lagkv ---------------------------------------
+# Each rule scores one (layer, KV head)'s whole candidate list (sorted positions) at boundary ``now``
+# and returns {position: score}, math.inf for a position that is always kept. Scores of a shared set
+# add up (lru: the latest use counts); the highest are kept, ties to the more recent position.
+
+
+def _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by) -> list[int]:
+    tables = [
+        _LIST_RULES[spec.policy](spec, seen_by, layer, h, candidates, now, capacity) for layer, h in members
+    ]
+    reduce = max if spec.policy == "lru" else math.fsum
+    score = {j: reduce([table[j] for table in tables]) for j in candidates}
+    return sorted(candidates, key=lambda j: (score[j], j), reverse=True)[:capacity]
+
+
+def _unrotated(seen_by, source: str, layer: int, h: int, j: int) -> list[float]:
+    """Key j (rotated back from the position the model produced it at) or value j, in float64."""
+    x = seen_by[source][layer][h][j].double()
+    if source == "keys":
+        x = rope_rotate(x[None], [-seen_by["made_at"][j]], seen_by["inv_freq"])[0]
+    return x.tolist()
+
+
+def _observed_attention(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """A_j / n_j; the r = floor(rho * B') most recent positions kept."""
     recent = int(spec.rho * capacity)
-    seen = data["seen"][layer][h]
-    return {j: math.inf if j >= now - recent else stats[layer, h, j].item() / seen[j] for j in candidates}
+    acc, count = seen_by["utility"][layer][h], seen_by["count"][layer][h]
+    return {j: math.inf if j >= now - recent else acc[j] / count[j] for j in candidates}
 
 
-def _snapkv(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+def _snapkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Mean attention of the chunk's last min(window, C) queries, pooled over position-sorted neighbours."""
-    queries = range(now - min(spec.window, spec.chunk), now)
-    rows = [data["rows"][s][layer][h] for s in queries]
+    rows = [seen_by["rows"][s][layer][h] for s in range(now - min(spec.window, spec.chunk), now)]
     mean = [math.fsum(row.get(j, 0.0) for row in rows) / len(rows) for j in candidates]
-    half = spec.kernel // 2
-    scores = {}
+    half, scores = spec.kernel // 2, {}
     for i, j in enumerate(candidates):
         around = [mean[i + d] if 0 <= i + d < len(candidates) else 0.0 for d in range(-half, half + 1)]
         pooled = math.fsum(around) / spec.kernel if spec.pooling == "avg" else max(around)
@@ -246,57 +402,57 @@ def _snapkv(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int,
     return scores
 
 
-def _knorm(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
-    """Minus the L2 norm of the key."""
-    keys = data["keys"][layer]
-    return {j: -math.sqrt(math.fsum(x * x for x in keys[j, h].double().tolist())) for j in candidates}
+def _knorm(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """Minus the L2 norm of the unrotated key."""
+    return {j: -math.hypot(*_unrotated(seen_by, "keys", layer, h, j)) for j in candidates}
 
 
-def _keydiff(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+def _keydiff(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Minus the cosine similarity of the unrotated key to the mean normalised key."""
-    keys = data["keys"][layer]
     units = {}
     for j in candidates:
-        k = keys[j, h].double().tolist()
-        norm = math.sqrt(math.fsum(x * x for x in k))
-        units[j] = [x / norm for x in k]
-    n_channels = len(units[candidates[0]])
-    mean = [math.fsum(units[j][c] for j in candidates) / len(candidates) for c in range(n_channels)]
-    mean_norm = math.sqrt(math.fsum(x * x for x in mean))
-    return {j: -math.fsum(a * b for a, b in zip(units[j], mean, strict=True)) / mean_norm for j in candidates}
+        k = _unrotated(seen_by, "keys", layer, h, j)
+        units[j] = [x / math.hypot(*k) for x in k]
+    dims = range(len(units[candidates[0]]))
+    mean = [math.fsum(units[j][c] for j in candidates) / len(candidates) for c in dims]
+    return {
+        j: -math.fsum(u * m for u, m in zip(units[j], mean, strict=True)) / math.hypot(*mean)
+        for j in candidates
+    }
 
 
-def _lru(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
+def _lru(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
     """The last query s with a_s(j) >= tau, or j itself."""
-    return {j: float(data["last_use"][layer][h][j]) for j in candidates}
+    return {j: float(seen_by["last_use"][layer][h][j]) for j in candidates}
 
 
-def _lagkv(spec, layer, h, candidates, now, capacity, stats, data) -> dict[int, float]:
-    """Partitions of P from the most recent end, each normalised by the next; sinks and partition 0 kept."""
-    scores = {j: math.inf for j in candidates}
-    rest = [j for j in candidates if j >= spec.sinks][::-1]  # most recent first
-    parts = [rest[i : i + spec.partition] for i in range(0, len(rest), spec.partition)]
+def _lagkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """Partitions of P counted from the most recent end, each scored against the next (more recent) one;
+    the sinks and partition 0 are kept."""
+    scores = dict.fromkeys(candidates, math.inf)
+    newest_first = [j for j in reversed(candidates) if j >= spec.sinks]
+    parts = [newest_first[i : i + spec.partition] for i in range(0, len(newest_first), spec.partition)]
     for p in range(1, len(parts)):
-        total = dict.fromkeys(parts[p], 0.0)
-        for source in (data["keys"], data["values"]):
-            rows = {j: source[layer][j, h].double().tolist() for j in parts[p] + parts[p - 1]}
-            n_channels = len(rows[parts[p][0]])
-            low = [min(rows[i][c] for i in parts[p - 1]) for c in range(n_channels)]
-            high = [max(rows[i][c] for i in parts[p - 1]) for c in range(n_channels)]
+        for j in parts[p]:
+            scores[j] = 0.0
+        for source in ("keys", "values"):
+            rows = {j: _unrotated(seen_by, source, layer, h, j) for j in parts[p] + parts[p - 1]}
+            dims = range(len(rows[parts[p][0]]))
+            low = [min(rows[i][c] for i in parts[p - 1]) for c in dims]
+            high = [max(rows[i][c] for i in parts[p - 1]) for c in dims]
             spread = {}
             for j in parts[p]:
-                normed = [(rows[j][c] - low[c]) / max(high[c] - low[c], 1e-6) for c in range(n_channels)]
-                mu = math.fsum(normed) / n_channels
-                spread[j] = math.sqrt(math.fsum((x - mu) ** 2 for x in normed) / (n_channels - 1))
+                normed = [(rows[j][c] - low[c]) / max(high[c] - low[c], 1e-6) for c in dims]
+                mean = math.fsum(normed) / len(normed)
+                spread[j] = math.sqrt(math.fsum((x - mean) ** 2 for x in normed) / (len(normed) - 1))
             top = max(spread.values())
-            denominator = math.fsum(math.exp(v - top) for v in spread.values())
+            total = math.fsum(math.exp(v - top) for v in spread.values())
             for j in parts[p]:
-                total[j] += math.exp(spread[j] - top) / denominator
-        scores.update(total)
+                scores[j] += math.exp(spread[j] - top) / total
     return scores
 
 
-NEW_RULES = {
+_LIST_RULES = {
     "observed_attention": _observed_attention,
     "snapkv": _snapkv,
     "knorm": _knorm,

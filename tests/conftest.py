@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models built locally (no downloads)."""
+"""Shared fixtures: tiny random models built locally (no downloads) and streams they actually predict."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ ARCHITECTURES = {
 }
 # per-architecture differences: Mistral's own sliding window off; GPT-NeoX is multi-head with partial rotary
 SPECIFIC = {"mistral": {"sliding_window": None}, "gpt_neox": {"rotary_pct": 0.5}}
+STREAM_LENGTH = 48
+FOLLOW_ARGMAX = 0.5  # a sampled stream takes the model's own argmax with this probability
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
@@ -46,17 +48,37 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedMod
     return model_cls(config_cls(**settings)).eval().requires_grad_(False)
 
 
+@torch.no_grad()
+def sampled_stream(model: PreTrainedModel, n: int = STREAM_LENGTH, seed: int = 1) -> torch.Tensor:
+    """A stream [n] the model partly predicts: each next token is the model's argmax (full attention)
+    with probability FOLLOW_ARGMAX, else uniformly random."""
+    model.set_attn_implementation("sdpa")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    tokens = [int(torch.randint(vocab, (1,), generator=generator))]
+    for _ in range(n - 1):
+        if float(torch.rand(1, generator=generator)) < FOLLOW_ARGMAX:
+            tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+        else:
+            tokens.append(int(torch.randint(vocab, (1,), generator=generator)))
+    return torch.tensor(tokens)
+
+
+def distinct_stream(n: int = STREAM_LENGTH, seed: int = 1) -> torch.Tensor:
+    """A stream [n] without a repeated token, so that no two keys of a layer are equal by construction.
+
+    A repeated token has bitwise-equal layer-0 keys; the policies that rank keys themselves (knorm,
+    keydiff, lagkv) then tie, and float rounding, not recency, decides (docs/semantics.md).
+    """
+    return torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(seed))[:n]
+
+
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, PreTrainedModel]:
     return {arch: tiny_model(arch) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="session")
-def tokens() -> torch.Tensor:
-    return torch.randint(0, TINY["vocab_size"], (48,), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture(scope="session")
-def distinct_tokens() -> torch.Tensor:
-    """48 tokens, none repeated, so no two keys of a layer are equal by construction."""
-    return torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(1))[:48]
+def streams(tiny_models) -> dict[str, torch.Tensor]:
+    """Per architecture, a stream sampled from that tiny model (see :func:`sampled_stream`)."""
+    return {arch: sampled_stream(model) for arch, model in tiny_models.items()}
