@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of the engine runs")
+    parser.add_argument("--policies", help="comma-separated subset of the engine runs (window always runs)")
     parser.add_argument("--only-engine", action="store_true", help="engine runs only (no forward, no loop)")
     parser.add_argument(
         "--loop-tokens",
@@ -165,7 +166,10 @@ def main() -> None:
     print(f"SmolLM2-135M fp32 on CPU, {args.threads} threads, {n} tokens, B={args.budget}, C={args.chunk}")
 
     engines = {}
+    chosen = set(args.policies.split(",")) | {"window"} if args.policies else None
     for name, params, positions in POLICIES:
+        if chosen is not None and name not in chosen:
+            continue
         policy = make_policy({"name": name, **params}, budget=args.budget, chunk=args.chunk)
         engines[f"{name}/{positions}"] = engine = StreamingEngine(model, policy, positions=positions)
         engine.stream(tokens[: 2 * args.chunk + 1])  # warm-up

@@ -36,7 +36,22 @@ ID_COLUMNS = [
     "seed",
 ]
 SORT_COLUMNS = [*ID_COLUMNS[1:], "run_dir"]
-POLICY_ORDER = ["full", "window", "streaming_llm", "random", "tova", "h2o", "rmm", "oracle"]
+POLICY_ORDER = [
+    "full",
+    "window",
+    "streaming_llm",
+    "random",
+    "knorm",
+    "keydiff",
+    "lagkv",
+    "tova",
+    "snapkv",
+    "lru",
+    "h2o",
+    "observed_attention",
+    "rmm",
+    "oracle",
+]
 # Columns that tell apart configurations of one policy within a model/dataset besides ``policy.*``.
 VARIANT_COLUMNS = ["chunk", "positions", "scope"]
 PARAM_EXCLUDE = ("policy.name", "policy.tag")
