@@ -13,7 +13,9 @@ stream length. Positions:
   which is done exactly per query (see :mod:`rmm.integration`).
 
 What a policy observes after a chunk (:meth:`SlotMemory.observation`) is read from these slots; keys
-and queries are handed over unrotated in both position modes.
+and queries are handed over unrotated in both position modes. With ``original`` positions a policy
+that reads keys makes the memory keep a second, unrotated copy of them, rotated back once as they
+arrive (``cache`` already stores keys unrotated).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class SlotMemory:
         self.record_attention = record_attention
         self.keys = torch.zeros(n_layers, n_heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
+        # original positions and a policy that reads keys: a second, unrotated copy, filled as keys arrive
+        wants_raw = "keys" in policy.needs and not policy.per_query and not self.store_unrotated
+        self.raw_keys = torch.zeros_like(self.keys) if wants_raw else None
         self.key_pos = torch.full((n_layers, n_heads, slots), -1, dtype=torch.long, device=device)
         self.state = {
             name: torch.zeros(n_layers, n_heads, slots, device=device) for name in policy.state_names
@@ -114,6 +119,8 @@ class SlotMemory:
             self._unrotate_table = self.rotary.table(-self.model_pos)
         else:
             self.model_pos = query_pos
+            if self.raw_keys is not None:
+                self._unrotate_table = self.rotary.table(-query_pos)
         if self.record_queries:
             self._query_table = self.rotary.table(-self.model_pos)
         return self.model_pos
@@ -125,6 +132,8 @@ class SlotMemory:
         self.values[layer, :, self.retained : end] = value
         if not self.store_unrotated:
             self.keys[layer, :, self.retained : end] = key
+            if self.raw_keys is not None:
+                self.raw_keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
             return self.keys[layer, :, :end], self.values[layer, :, :end]
         self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
         kept = self.rotary.apply(self.keys[layer, :, : self.retained], self._rank_table)
@@ -186,7 +195,7 @@ class SlotMemory:
             fields["attention"] = self.chunk_attention()
         if "keys" in needs:
             keys = self.keys[:, :, :n]
-            fields["keys"] = keys if self.store_unrotated else self.rotary.rotate(keys, -key_pos)
+            fields["keys"] = keys if self.raw_keys is None else self.raw_keys[:, :, :n]
         if "values" in needs:
             fields["values"] = self.values[:, :, :n]
         if "queries" in needs:
@@ -239,6 +248,8 @@ class SlotMemory:
         n = key_pos.shape[-1]
         self.keys[:, :, : self.retained] = torch.gather(self.keys[:, :, :n], 2, gather4)
         self.values[:, :, : self.retained] = torch.gather(self.values[:, :, :n], 2, gather4)
+        if self.raw_keys is not None:
+            self.raw_keys[:, :, : self.retained] = torch.gather(self.raw_keys[:, :, :n], 2, gather4)
         for tensor in self.state.values():
             tensor[:, :, : self.retained] = torch.gather(tensor[:, :, :n], -1, index)
         self.key_pos[:, :, : self.retained] = new_pos

@@ -427,28 +427,30 @@ def _lru(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]
 
 
 def _lagkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
-    """Partitions of P counted from the most recent end, each scored against the next (more recent) one;
-    the sinks and partition 0 are kept."""
-    scores = dict.fromkeys(candidates, math.inf)
-    newest_first = [j for j in reversed(candidates) if j >= spec.sinks]
-    parts = [newest_first[i : i + spec.partition] for i in range(0, len(newest_first), spec.partition)]
-    for p in range(1, len(parts)):
-        for j in parts[p]:
-            scores[j] = 0.0
+    """Partition k = positions [S + kP, S + (k + 1)P), scored against partition k + 1 once that one is
+    whole; sinks and positions of partitions not yet scored are kept."""
+    size, sinks = spec.partition, spec.sinks
+    scores = {}
+    for j in candidates:
+        k = (j - sinks) // size
+        if j < sinks or sinks + (k + 2) * size > now:
+            scores[j] = math.inf
+            continue
+        part = range(sinks + k * size, sinks + (k + 1) * size)
+        reference = range(sinks + (k + 1) * size, sinks + (k + 2) * size)
+        scores[j] = 0.0
         for source in ("keys", "values"):
-            rows = {j: _unrotated(seen_by, source, layer, h, j) for j in parts[p] + parts[p - 1]}
-            dims = range(len(rows[parts[p][0]]))
-            low = [min(rows[i][c] for i in parts[p - 1]) for c in dims]
-            high = [max(rows[i][c] for i in parts[p - 1]) for c in dims]
+            rows = {i: _unrotated(seen_by, source, layer, h, i) for i in [*part, *reference]}
+            dims = range(len(rows[j]))
+            low = [min(rows[i][c] for i in reference) for c in dims]
+            high = [max(rows[i][c] for i in reference) for c in dims]
             spread = {}
-            for j in parts[p]:
-                normed = [(rows[j][c] - low[c]) / max(high[c] - low[c], 1e-6) for c in dims]
+            for i in part:
+                normed = [(rows[i][c] - low[c]) / max(high[c] - low[c], 1e-6) for c in dims]
                 mean = math.fsum(normed) / len(normed)
-                spread[j] = math.sqrt(math.fsum((x - mean) ** 2 for x in normed) / (len(normed) - 1))
+                spread[i] = math.sqrt(math.fsum((x - mean) ** 2 for x in normed) / (len(normed) - 1))
             top = max(spread.values())
-            total = math.fsum(math.exp(v - top) for v in spread.values())
-            for j in parts[p]:
-                scores[j] += math.exp(spread[j] - top) / total
+            scores[j] += math.exp(spread[j] - top) / math.fsum(math.exp(v - top) for v in spread.values())
     return scores
 
 

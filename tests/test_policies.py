@@ -50,7 +50,7 @@ CASES = [
     ("lru", {}),
     ("lru", {"tau": 0.2}),
     ("lagkv", {"partition": 3, "sinks": 1}),
-    ("lagkv", {"partition": 2, "sinks": 0}),
+    ("lagkv", {"partition": 4, "sinks": 0}),
 ]
 CASE_IDS = [f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CASES]
 

@@ -1,19 +1,20 @@
-"""lagkv: LagKV's attention-free fixed-lag scorer; each partition is judged against the next one.
+"""lagkv: LagKV's attention-free fixed-lag scorer; each partition is judged by the one that follows it.
 
-At a boundary the valid candidates of a (layer, KV head), except the ``sinks`` first positions of the
-stream (always kept, as in LagKV), are sorted by position and cut into partitions of P = ``partition``
-candidates counted from the most recent end: partition 0 holds the P most recent (always kept),
-partition 1 the P before them, and so on; the oldest partition may hold fewer than P. For a candidate
-j in partition p >= 1, with x = k_j (unrotated key) or v_j and the next, more recent, partition p - 1 as
-reference:
+After the first ``sinks`` positions of the stream (always kept, as in LagKV), positions are cut into
+partitions of P = ``partition`` consecutive positions: partition k holds [S + kP, S + (k + 1)P). When
+partition k + 1 is complete (S + (k + 2)P tokens have arrived), every j of partition k is scored once,
+against partition k + 1 as reference: with x = k_j (unrotated key) or v_j, and min_c, max_c over the P
+positions of partition k + 1,
 
-    x'_c = (x_c - min_{i in p-1} x_{i,c}) / max(max_{i in p-1} x_{i,c} - min_{i in p-1} x_{i,c}, 1e-6)
+    x'_c = (x_c - min_c) / max(max_c - min_c, 1e-6)
     sigma(x) = std_c x'_c            (over the D channels, unbiased)
-    score_j = softmax_{i in p} sigma(k_i) [j] + softmax_{i in p} sigma(v_i) [j]
+    score_j = softmax_{i in k} sigma(k_i) [j] + softmax_{i in k} sigma(v_i) [j]
 
-(softmax over the candidates of j's own partition, so every partition spends the same total score). A
-token whose channels stray far from the range of its successors carries information they do not; it
-is the closest attention-free relative of rmm's lag: each token is judged by what follows it.
+(softmax over the P positions of partition k, so every partition spends the same total score). The
+score then stays fixed. Positions not yet scored (the newest P to 2P - 1) are always kept, so both
+partitions are whole when they are scored; this needs sinks + 2P - 1 < B'. A token whose channels
+stray from the range of its successors carries information they do not: like rmm's lag, each token
+is judged by what follows it, here without attention.
 """
 
 from dataclasses import dataclass
@@ -27,56 +28,62 @@ EPS = 1e-6
 
 @dataclass
 class LagKV(Policy):
-    partition: int = 32
+    partition: int = 16
     sinks: int = 4
 
     name = "lagkv"
     needs = frozenset({"keys", "values"})
+    state_names = ("lag_score",)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.partition < 2:
             raise ValueError(
-                f"policy.partition must be >= 2 (a reference needs two values), got {self.partition}"
+                f"policy.partition must be >= 2 (min and max need two values), got {self.partition}"
             )
         if self.sinks < 0:
             raise ValueError(f"policy.sinks must be >= 0, got {self.sinks}")
         if self.budget is not None:
-            check_protected("policy.sinks + policy.partition", self.sinks + self.partition, self.capacity)
+            check_protected(
+                "policy.sinks + 2 * policy.partition - 1", self.sinks + 2 * self.partition - 1, self.capacity
+            )
 
     @property
     def protected(self) -> int:
-        return self.partition
+        """The newest positions are unscored: between P and 2P - 1 of them (the upper bound)."""
+        return 2 * self.partition - 1
+
+    def scored_partitions(self, tokens: int) -> int:
+        """How many partitions are scored once ``tokens`` tokens have arrived (their successor is whole)."""
+        return max(0, (tokens - self.sinks) // self.partition - 1)
+
+    def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
+        """Score the partitions whose successor the chunk completed."""
+        start, now = int(obs.query_pos[0]), int(obs.query_pos[-1]) + 1
+        first, stop = self.scored_partitions(start), self.scored_partitions(now)
+        if stop <= first:
+            return
+        size = self.partition
+        begin = self.sinks + first * size  # positions [begin, now) are all candidates: none was scored yet
+        n_valid = int((obs.key_pos[0, 0] >= 0).sum())
+        window = position_order(obs.key_pos)[..., n_valid - (now - begin) :][..., : (stop - first + 1) * size]
+        total = _spread_softmax(obs.keys, window, size) + _spread_softmax(obs.values, window, size)
+        state["lag_score"].scatter_(-1, window[..., : (stop - first) * size], total)
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
-        key_pos = obs.key_pos
-        scores = torch.full(key_pos.shape, NEVER, device=key_pos.device)
-        first = key_pos[0, 0]  # every (layer, head) holds the same number of valid and of sink candidates
-        n_valid, n_sinks = int((first >= 0).sum()), int(((first >= 0) & (first < self.sinks)).sum())
-        n_parts = -(-(n_valid - n_sinks) // self.partition)
-        if n_parts < 2:
-            return scores
-        size = n_parts * self.partition
-        # slot of the i-th most recent non-sink candidate, i < size (padding repeats the oldest one)
-        newest_first = position_order(key_pos)[..., n_sinks:n_valid].flip(-1)
-        pad = size - newest_first.shape[-1]
-        index = torch.cat([newest_first, newest_first[..., -1:].expand(-1, -1, pad)], dim=-1)
-        real = torch.arange(size, device=key_pos.device) < n_valid - n_sinks  # [size]
-        partial = _spread_softmax(obs.keys, index, real, self.partition)
-        partial += _spread_softmax(obs.values, index, real, self.partition)
-        ranked = index[..., self.partition :][..., real[self.partition :]]
-        return scores.scatter_(-1, ranked, partial[..., real[self.partition :]])
+        unscored = self.sinks + self.scored_partitions(now) * self.partition
+        keep = (obs.key_pos < self.sinks) | (obs.key_pos >= unscored)
+        return torch.where(keep, torch.full_like(state["lag_score"], NEVER), state["lag_score"])
 
 
-def _spread_softmax(x: torch.Tensor, index: torch.Tensor, real: torch.Tensor, size: int) -> torch.Tensor:
-    """Softmax within each partition of the normalised channel spread: [L, H, (n_parts - 1) * size].
+def _spread_softmax(x: torch.Tensor, window: torch.Tensor, size: int) -> torch.Tensor:
+    """x [L, H, S, D]; window [L, H, (m + 1) * size] slots of m + 1 whole partitions, oldest first.
 
-    x : [L, H, S, D]; index : [L, H, n_parts * size] slots, most recent first; real : [n_parts * size].
+    Returns the score part [L, H, m * size] of the first m partitions, each against the next one.
     """
-    gathered = torch.gather(x.float(), 2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
-    parts = gathered.unflatten(2, (-1, size))  # [L, H, n_parts, P, D]
-    low, high = parts.amin(dim=-2, keepdim=True), parts.amax(dim=-2, keepdim=True)
-    normed = (parts[:, :, 1:] - low[:, :, :-1]) / (high - low)[:, :, :-1].clamp(min=EPS)
-    spread = normed.std(dim=-1)  # [L, H, n_parts - 1, P]
-    spread = spread.masked_fill(~real.view(-1, size)[1:], float("-inf"))
+    parts = torch.gather(x.float(), 2, window[..., None].expand(-1, -1, -1, x.shape[-1])).unflatten(
+        2, (-1, size)
+    )
+    low, high = torch.aminmax(parts[:, :, 1:], dim=-2, keepdim=True)  # [L, H, m, 1, D]
+    spread = ((parts[:, :, :-1] - low) / (high - low).clamp(min=EPS)).std(dim=-1)  # [L, H, m, P]
     return torch.softmax(spread, dim=-1).flatten(2)
