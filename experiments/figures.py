@@ -203,7 +203,7 @@ def _legend(fig: Figure, ax: Axes, handles: list[Any] | None = None, labels: lis
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=7, frameon=False)
 
 
-PER_RUN_NOTE = "bars: 95 % bootstrap interval of each run (compare.py)"
+PER_RUN_NOTE = "bars: 95 % bootstrap interval of each run (ppl_ci_low/high)"
 
 
 def _budget_lines(frame: pd.DataFrame, rmm_weight: str | None, rmm_after_commit: str | None) -> pd.DataFrame:
