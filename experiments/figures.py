@@ -485,6 +485,9 @@ def measure_vs_accumulate(
     gaps = rmm.groupby(["lag", "budget"])["ppl"].mean().reset_index()
     gaps["gap"] = gaps["ppl"] - gaps["budget"].map(h2o_best["ppl"])
     gaps = gaps.dropna(subset=["gap"])
+    if gaps.empty:
+        _note(name, "rmm and h2o share no budget")
+        return None
     bounds = []
     for lag, budget in zip(gaps["lag"], gaps["budget"], strict=True):
         base = h2o.loc[(h2o["budget"] == budget) & (h2o["label"] == h2o_best.at[budget, "label"])]
@@ -494,9 +497,6 @@ def measure_vs_accumulate(
         )
         bounds.append((low - base["ppl"].mean(), high - base["ppl"].mean()))
     gaps[["gap_low", "gap_high"]] = bounds
-    if gaps.empty:
-        _note(name, "rmm and h2o share no budget")
-        return None
     fig, (ax,) = _new_figure()
     lags = sorted(gaps["lag"].unique())
     for lag, color in zip(lags, _shades(POLICY_COLORS["rmm"], len(lags)), strict=True):
