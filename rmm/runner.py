@@ -15,11 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from rmm.data import DatasetStats, Document, load_documents
+from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.engine import StreamingEngine
 from rmm.future import FutureRequests, ReferencePass, no_reference_pass
 from rmm.memory import POSITIONS, SCOPES, SlotMemory
-from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, summarize
+from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import Observation, Policy, make_policy
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
@@ -55,7 +55,12 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
         totals, memory = stream_documents(cfg, setup, tracker)
         tokens = pd.concat(totals.token_frames, ignore_index=True)
-        metrics = {**run_metrics(cfg, setup, totals, memory), **_policy_parameters(config), **environment}
+        metrics = {
+            **run_metrics(cfg, setup, totals, memory, tokens),
+            **_parameters(config, "policy"),
+            **_parameters(config, "dataset"),
+            **environment,
+        }
         write_run(run_dir, config, metrics, tokens)
         tracker.finish(metrics, position_perplexity(tokens))
     return metrics
@@ -75,6 +80,7 @@ def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
 
 def build(cfg: DictConfig) -> RunSetup:
     """Policy, model, documents and (when needed) the reference pass."""
+    check_dataset(cfg.dataset)
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -110,19 +116,22 @@ def stream_documents(cfg: DictConfig, setup: RunSetup, tracker: Tracker) -> tupl
         running = RunningPerplexity(totals, progress, tracker, memory)
         result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=running)
         _sync(setup.device)
-        totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start)
+        totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start, doc.segments)
     progress.close()
     if setup.reference is not None:
         totals.reference_wall_s = setup.reference.wall_s
     return totals, memory
 
 
-def run_metrics(cfg: DictConfig, setup: RunSetup, totals: RunTotals, memory: PeakMemory) -> dict[str, Any]:
-    """metrics.json, less the policy's parameters and the environment."""
+def run_metrics(
+    cfg: DictConfig, setup: RunSetup, totals: RunTotals, memory: PeakMemory, tokens: pd.DataFrame
+) -> dict[str, Any]:
+    """metrics.json, less the policy's and dataset's parameters and the environment."""
     dims, policy = setup.dims, setup.policy
     budget = cfg.budget if policy.budget is not None else setup.longest
     return {
         **summarize(totals),
+        **segment_metrics(tokens),
         "n_skipped_short": setup.data_stats.n_skipped_short,
         "peak_memory_bytes": memory.bytes(),
         "kv_cache_bytes": kv_cache_bytes(
@@ -145,9 +154,9 @@ def run_metrics(cfg: DictConfig, setup: RunSetup, totals: RunTotals, memory: Pea
     }
 
 
-def _policy_parameters(config: dict) -> dict[str, Any]:
-    """The policy's parameters as ``policy.<name>`` metrics."""
-    return {f"policy.{k}": v for k, v in config["policy"].items() if k not in ("name", "tag")}
+def _parameters(config: dict, group: str) -> dict[str, Any]:
+    """A config group's parameters as ``<group>.<name>`` metrics (``policy.rho``, ``dataset.n_docs``)."""
+    return {f"{group}.{k}": v for k, v in config[group].items() if k not in ("name", "tag")}
 
 
 def _estimating(cfg: DictConfig, policy: Policy) -> bool:
