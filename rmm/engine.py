@@ -50,6 +50,7 @@ class StreamingEngine:
     def __init__(
         self, model: PreTrainedModel, policy: Policy, positions: str = "original", scope: str = "head"
     ):
+        integration.check_model(model, positions)
         integration.install(model)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         dims = describe_model(model)
@@ -57,6 +58,24 @@ class StreamingEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.rotary = integration.Rotary(model).to(self.device)
+
+    def reach(self, n_tokens: int) -> int:
+        """The largest distance between a query and a key it may attend, in the model's positions."""
+        policy = self.policy
+        if policy.budget is None:
+            return n_tokens - 1
+        if self.positions == "cache":  # ranks: the oldest visible key is at most B positions back
+            return min(policy.budget, n_tokens - 1)
+        if policy.per_query:
+            keys = torch.arange(n_tokens)
+            visible = policy.allowed(torch.tensor([n_tokens - 1]), keys)[0]
+            return n_tokens - 1 - int(keys[visible].min())
+        return n_tokens - 1  # a score-based policy may keep any past key
+
+    def check_stream(self, n_tokens: int) -> None:
+        """Refuse, before streaming, an ``n_tokens`` stream the model's attention would treat differently."""
+        what = f"policy {self.policy.name} with positions={self.positions} over {n_tokens} tokens"
+        integration.check_reach(self.model, self.reach(n_tokens), what)
 
     def new_memory(self, n_tokens: int, record_attention: bool) -> SlotMemory:
         chunk = min(self.policy.chunk, n_tokens)
@@ -87,6 +106,7 @@ class StreamingEngine:
         n = tokens.numel()
         if n < 2:
             raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
+        self.check_stream(n)
         tokens = tokens.to(self.device)
         record = self.policy.needs_attention or observer is not None
         memory = self.new_memory(n, record)
