@@ -22,6 +22,7 @@ from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
 WINDOW = 16  # the tiny models' sliding window; the test streams are longer
+FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=61, alibi=True)
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=61)
 
 
@@ -99,9 +100,7 @@ def test_attention_softcapping_refused():
     "model",
     [
         lambda: BloomForCausalLM(BloomConfig(hidden_size=32, n_layer=2, n_head=2, vocab_size=61)),
-        lambda: FalconForCausalLM(
-            FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=61, alibi=1)
-        ),
+        lambda: FalconForCausalLM(FalconConfig(**FALCON)),
     ],
     ids=["bloom", "falcon-alibi"],
 )
