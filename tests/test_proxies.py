@@ -52,7 +52,8 @@ def bf16_matrix(arch: str, tokens: torch.Tensor) -> dict[str, list[dict[str, flo
         ]
         same = [a == b for a, b in pairs]
         overlap = [len(a & b) / max(len(a | b), 1) for a, b in pairs]
-        first_split = min([now for now, s in sets.items() if s != spec.retained_log[now]], default=len(tokens))
+        split = [now for now, engine_set in sets.items() if engine_set != spec.retained_log[now]]
+        first_split = min(split, default=len(tokens))  # queries before it saw identical sets
         diff = (result.nll - ref_nll).abs()
         rows.setdefault(name, []).append(
             {
