@@ -17,6 +17,7 @@ and the keyword check in :func:`bounded_attention`.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -138,6 +139,11 @@ def bounded_attention(
         out = torch.matmul(probs.to(values.dtype), values[:, None])  # [H, G, Q, D]
     out = out.reshape(1, -1, out.shape[-2], out.shape[-1])  # [1, n_heads, Q, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The forward keyword for a KV cache: ``cache`` in recent transformers 5, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def install(model: PreTrainedModel) -> None:

@@ -26,6 +26,11 @@ FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=61)
 
 
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 61, (48,), generator=torch.Generator().manual_seed(1))
+
+
 def engine(model, name: str, budget: int | None = 12, chunk: int = 4, positions: str = "original"):
     return StreamingEngine(model, make_policy({"name": name}, budget, chunk), positions=positions)
 

@@ -5,87 +5,67 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
-from conftest import TINY, tiny_model
 from omegaconf import OmegaConf
-from test_policies import BUDGET, CASES, retained_sets
 from transformers import AutoModelForCausalLM
 
+from experiments import gpu_check
 from rmm.engine import StreamingEngine
 from rmm.integration import Rotary
 from rmm.models import config_from_architecture, describe_model
-from rmm.policies import make_policy
+from rmm.policies import POLICIES, make_policy
 from rmm.reference import ReferenceSpec, reference_stream
+
+TINY = gpu_check.TINY
+BUDGET = gpu_check.MATRIX_BUDGET
 
 CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
 SHIPPED = sorted(p.stem for p in CONF_MODEL.glob("*.yaml") if p.stem != "local")
+CPU = torch.device("cpu")
 
-# bf16 against the fp32 reference, per policy case (chunk 1 and 4, both position modes):
-BF16_MEAN_NLL_ATOL = 0.05  # |mean NLL (bf16 engine) - mean NLL (fp32 reference)| per stream
-BF16_TOKEN_NLL_ATOL = 0.05  # per-token |NLL difference| while the retained sets are identical
-BF16_ARGMAX_AGREEMENT = 0.9  # fraction of tokens whose argmax (correct) agrees
-# fraction of (boundary, layer, KV head) retained sets identical to the reference's, averaged over a
-# policy's cases: exact for rules that depend on positions only, and for h2o's accumulated sums; lower
-# for policies that rank near-tied scores (tova ranks by one query's attention), where one flipped tie
-# changes every later set (eviction is permanent)
-BF16_SAME_SETS = {"full": 1.0, "window": 1.0, "streaming_llm": 1.0, "random": 1.0, "h2o": 1.0}
-BF16_SAME_SETS |= {"rmm": 0.9, "oracle": 0.9, "tova": 0.6}
-BF16_SET_OVERLAP = 0.8  # per case, mean |engine set & reference set| / |union| over all sets
-
-
-def bf16_matrix(arch: str, tokens: torch.Tensor) -> dict[str, list[dict[str, float]]]:
-    """Every policy case through the engine in bf16, against the fp32 reference: agreement per case."""
-    fp32, bf16 = tiny_model(arch), tiny_model(arch).to(torch.bfloat16)
-    rows: dict[str, list[dict[str, float]]] = {}
-    for (name, params), chunk, positions in itertools.product(CASES, [1, 4], ["original", "cache"]):
-        if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
-            continue
-        spec = ReferenceSpec(policy=name, budget=BUDGET, chunk=chunk, positions=positions, **params)
-        ref_nll, ref_correct = reference_stream(fp32, tokens, spec)
-        result, sets = retained_sets(bf16, tokens, name, params, chunk=chunk, positions=positions)
-        pairs = [
-            (set(head), set(spec.retained_log[now][layer][h]))
-            for now, engine_set in sets.items()
-            for layer, heads in enumerate(engine_set)
-            for h, head in enumerate(heads)
-        ]
-        same = [a == b for a, b in pairs]
-        overlap = [len(a & b) / max(len(a | b), 1) for a, b in pairs]
-        split = [now for now, engine_set in sets.items() if engine_set != spec.retained_log[now]]
-        first_split = min(split, default=len(tokens))  # queries before it saw identical sets
-        diff = (result.nll - ref_nll).abs()
-        rows.setdefault(name, []).append(
-            {
-                "mean_nll_diff": abs(result.nll.double().mean().item() - ref_nll.double().mean().item()),
-                "token_nll_diff_while_same": float(diff[:first_split].max()) if first_split else 0.0,
-                "argmax_agreement": float((result.correct == ref_correct).float().mean()),
-                "same_sets": sum(same) / len(same),
-                "set_overlap": sum(overlap) / len(overlap),
-            }
-        )
-    return rows
+# The bf16 engine against the fp32 reference (experiments/gpu_check.py's matrix: every policy case,
+# chunk 1 and 4, both position modes, 48-token streams the model partly predicts), stated per case:
+BF16_TOKEN_NLL_ATOL = 0.05  # per-token |NLL difference| while the retained sets are still identical
+# Policies whose decisions depend on positions only (full, window, streaming_llm, random) or on
+# accumulated attention sums (h2o) keep exactly the reference's sets in bf16:
+EXACT_SETS = ("full", "window", "streaming_llm", "random", "h2o")
+EXACT_MEAN_NLL_ATOL = 0.01  # |mean NLL (bf16) - mean NLL (fp32 reference)| per case
+EXACT_ARGMAX_AGREEMENT = 0.95  # fraction of tokens whose argmax (correct) agrees, per case
+# rmm (its weights follow each token's argmax), tova (one query's attention) and the oracle rank
+# near-tied scores: one flipped tie changes every later set (eviction is permanent). Stated as
+# averages over the policy's cases:
+DECIDING_SAME_SETS = 0.75  # mean fraction of (boundary, layer, KV head) sets identical to the reference's
+DECIDING_SET_OVERLAP = 0.9  # mean |engine set & reference set| / |union|
+DECIDING_MEAN_NLL_ATOL = 0.02  # mean over cases of |mean NLL difference|
+DECIDING_ARGMAX_AGREEMENT = 0.95  # mean over cases
 
 
-def check_bf16(rows: dict[str, list[dict[str, float]]]) -> None:
-    for name, cases in rows.items():
-        for case in cases:
-            assert case["mean_nll_diff"] <= BF16_MEAN_NLL_ATOL, (name, case)
-            assert case["token_nll_diff_while_same"] <= BF16_TOKEN_NLL_ATOL, (name, case)
-            assert case["argmax_agreement"] >= BF16_ARGMAX_AGREEMENT, (name, case)
-            assert case["set_overlap"] >= BF16_SET_OVERLAP, (name, case)
-        same = sum(c["same_sets"] for c in cases) / len(cases)
-        assert same >= BF16_SAME_SETS[name], (name, same)
+def check_bf16(frame: pd.DataFrame) -> None:
+    assert (frame["token_nll_diff_while_same"] <= BF16_TOKEN_NLL_ATOL).all(), frame
+    exact = frame[frame["policy"].isin(EXACT_SETS)]
+    assert (exact["same_sets"] == 1.0).all()
+    assert (exact["mean_nll_diff"] <= EXACT_MEAN_NLL_ATOL).all()
+    assert (exact["argmax_agreement"] >= EXACT_ARGMAX_AGREEMENT).all()
+    deciding = frame[~frame["policy"].isin(EXACT_SETS)].groupby("policy")
+    means = deciding[["same_sets", "set_overlap", "mean_nll_diff", "argmax_agreement"]].mean()
+    assert (means["same_sets"] >= DECIDING_SAME_SETS).all(), means
+    assert (means["set_overlap"] >= DECIDING_SET_OVERLAP).all(), means
+    assert (means["mean_nll_diff"] <= DECIDING_MEAN_NLL_ATOL).all(), means
+    assert (means["argmax_agreement"] >= DECIDING_ARGMAX_AGREEMENT).all(), means
 
 
-def test_bf16_policy_matrix_llama(tokens):
-    check_bf16(bf16_matrix("llama", tokens))
+def test_bf16_policy_matrix_llama():
+    frame = gpu_check.reference_matrix(CPU, [torch.bfloat16], gpu_check.matrix_cases(["llama"]))
+    assert set(frame["policy"]) == set(POLICIES)
+    check_bf16(frame)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2", "mistral", "gpt_neox"])
-def test_bf16_policy_matrix(tokens, arch):
-    check_bf16(bf16_matrix(arch, tokens))
+def test_bf16_policy_matrix(arch):
+    check_bf16(gpu_check.reference_matrix(CPU, [torch.bfloat16], gpu_check.matrix_cases([arch])))
 
 
 def geometry_model(stem: str, n_layers: int = 2) -> torch.nn.Module:
@@ -138,16 +118,17 @@ def _model_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim
 
 
 @pytest.mark.parametrize("stem", SHIPPED)
-def test_geometry_proxy_matches_reference(stem, tokens):
+def test_geometry_proxy_matches_reference(stem):
     """Each shipped geometry (GQA ratio, head_dim, rope theta and scaling, window) against the reference."""
     model = geometry_model(stem)
+    tokens = gpu_check.sampled_stream(model, gpu_check.MATRIX_TOKENS)
     for (name, params), positions in itertools.product(
         [("window", {}), ("streaming_llm", {"sinks": 2}), ("h2o", {}), ("rmm", {"lag": 3})],
         ["original", "cache"],
     ):
         spec = ReferenceSpec(policy=name, budget=BUDGET, chunk=4, positions=positions, **params)
         ref_nll, ref_correct = reference_stream(model, tokens, spec)
-        result, sets = retained_sets(model, tokens, name, params, chunk=4, positions=positions)
+        result, sets = gpu_check.engine_run(model, tokens, name, params, 4, positions)
         torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=1e-4, msg=f"{stem} {name} {positions}")
         assert torch.equal(result.correct, ref_correct)
         assert all(engine_set == spec.retained_log[now] for now, engine_set in sets.items())
