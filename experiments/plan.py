@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rmm.engine import stream_chunk
 from rmm.models import architecture, config_from_architecture, resolve_dtype
 from rmm.policies import Policy, make_policy
 
@@ -76,15 +77,15 @@ def parameter_count(arch: dict[str, Any]) -> int:
     return _parameter_count(json.dumps(arch, sort_keys=True))
 
 
-def memory_slots(policy: Policy, n_tokens: int) -> tuple[int, int]:
-    """(R, C): retained and chunk slots of the engine's memory for an ``n_tokens`` stream."""
-    chunk = min(policy.chunk, n_tokens)
+def memory_slots(policy: Policy, n_tokens: int, record: bool) -> tuple[int, int]:
+    """(R, Q): retained and chunk slots of the engine's memory for an ``n_tokens`` stream."""
+    chunk = min(stream_chunk(policy, record), n_tokens)
     return (n_tokens if policy.budget is None else policy.capacity), chunk
 
 
-def kv_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, dtype: torch.dtype) -> int:
+def kv_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, dtype: torch.dtype, record: bool) -> int:
     """Keys and values [L, H, S, D] in ``dtype``, positions [L, H, S] int64, policy state [L, H, S] fp32."""
-    retained, chunk = memory_slots(policy, n_tokens)
+    retained, chunk = memory_slots(policy, n_tokens, record)
     slots = arch["num_hidden_layers"] * arch["num_key_value_heads"] * (retained + chunk)
     element = torch.empty(0, dtype=dtype).element_size()
     return slots * (2 * arch["head_dim"] * element + I64 + F32 * len(policy.state_names))
@@ -93,12 +94,13 @@ def kv_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, dtype: torch.d
 def scratch_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, record: bool, sinks: bool) -> int:
     """Attention masks, the recorded attention [L, H, C, S] and one layer's fp32 attention logits.
 
-    Masks: [Q, S] shared by all layers and heads for position rules, [L, H, Q, S] for score-based
+    Q is the tokens per forward pass (:func:`rmm.engine.stream_chunk`). Masks: [Q, S] shared by all
+    layers and heads for position rules, [L, H, Q, S] for score-based
     policies; the blocked mask (its complement) exists when attention is recorded or sinks re-rotated.
     Recording also keeps the chunk's attention [L, H, C, S] fp32 and materialises one layer's logits,
     masked logits and probabilities [n_heads, C, S] fp32 (three at once).
     """
-    retained, chunk = memory_slots(policy, n_tokens)
+    retained, chunk = memory_slots(policy, n_tokens, record)
     slots = retained + chunk
     layers_heads = arch["num_hidden_layers"] * arch["num_key_value_heads"]
     mask = chunk * slots * BOOL * (1 if policy.per_query else layers_heads)
@@ -146,15 +148,15 @@ def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
     element = torch.empty(0, dtype=dtype).element_size()
     record = policy.needs_attention
     sinks = cfg.positions == "cache" and policy.per_query and getattr(policy, "sinks", 0) > 0
-    kv = kv_bytes(arch, policy, n_tokens, dtype)
+    kv = kv_bytes(arch, policy, n_tokens, dtype, record)
     scratch = scratch_bytes(arch, policy, n_tokens, record, sinks)
-    activations = activation_bytes(arch, min(policy.chunk, n_tokens), dtype)
+    activations = activation_bytes(arch, memory_slots(policy, n_tokens, record)[1], dtype)
     reference = 0
     if policy.name == "oracle" or (cfg.diagnostics.estimator and not policy.per_query):
         context = reference_context(cfg, arch, n_tokens)
         window = make_policy({"name": "window"}, budget=context, chunk=min(REFERENCE_CHUNK, context))
         reference = (
-            kv_bytes(arch, window, n_tokens, dtype)
+            kv_bytes(arch, window, n_tokens, dtype, True)
             + scratch_bytes(arch, window, n_tokens, True, False)
             + activation_bytes(arch, min(window.chunk, n_tokens), dtype)
         )

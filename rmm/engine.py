@@ -25,6 +25,20 @@ ChunkHook = Callable[[int, torch.Tensor], None]
 BoundaryHook = Callable[[SlotMemory, int, torch.Tensor], None]
 
 
+# Position rules decide per query, so their results do not depend on how many tokens one forward pass
+# takes; without recorded attention they stream in chunks of at least this many tokens (the decision
+# chunk C and the budget B do not limit them).
+POSITION_RULE_CHUNK = 1024
+
+
+def stream_chunk(policy: Policy, record_attention: bool) -> int:
+    """Tokens per forward pass: C for score-based policies and whenever attention is recorded,
+    max(C, POSITION_RULE_CHUNK) for position rules otherwise."""
+    if record_attention or not policy.per_query:
+        return policy.chunk
+    return max(policy.chunk, POSITION_RULE_CHUNK)
+
+
 @dataclass
 class StreamResult:
     """Per-token outcome of one stream of n tokens.
@@ -77,8 +91,17 @@ class StreamingEngine:
         what = f"policy {self.policy.name} with positions={self.positions} over {n_tokens} tokens"
         integration.check_reach(self.model, self.reach(n_tokens), what)
 
+    def chunks(self, n_tokens: int, record_attention: bool) -> list[tuple[int, int]]:
+        """(start, stop) of every forward pass. The first holds at most B tokens, so that a position
+        rule's first positions (streaming_llm's sinks) are retained slots by the time a query needs
+        them re-rotated (:mod:`rmm.memory`); the chunk itself is :func:`stream_chunk`."""
+        step = stream_chunk(self.policy, record_attention)
+        first = step if self.policy.budget is None else min(step, self.policy.budget)
+        starts = [0, *range(first, n_tokens, step)] if first < n_tokens else [0]
+        return [(start, min(start + (first if start == 0 else step), n_tokens)) for start in starts]
+
     def new_memory(self, n_tokens: int, record_attention: bool) -> SlotMemory:
-        chunk = min(self.policy.chunk, n_tokens)
+        chunk = min(stream_chunk(self.policy, record_attention), n_tokens)
         retained = n_tokens if self.policy.budget is None else self.policy.capacity
         return SlotMemory(
             self.policy,
@@ -113,8 +136,7 @@ class StreamingEngine:
         nll = torch.empty(n - 1, device=self.device)
         correct = torch.empty(n - 1, dtype=torch.bool, device=self.device)
         attended, age_sum, n_evicted = 0.0, 0.0, 0
-        for start in range(0, n, self.policy.chunk):
-            stop = min(start + self.policy.chunk, n)
+        for start, stop in self.chunks(n, record):
             query_pos = torch.arange(start, stop, device=self.device)
             position_ids = memory.begin_chunk(query_pos)
             logits = (

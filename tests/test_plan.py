@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_model
 
 from experiments import plan as planner
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamingEngine, stream_chunk
 from rmm.policies import make_policy
 
 N_TOKENS = 48
@@ -43,7 +43,7 @@ def allocated(model, policy, positions: str = "original", record: bool | None = 
     if record:
         store = memory.store_attention
         memory.store_attention = lambda layer, probs: (logits_shapes.append(probs.shape), store(layer, probs))
-    query_pos = torch.arange(min(policy.chunk, N_TOKENS))
+    query_pos = torch.arange(min(stream_chunk(policy, record), N_TOKENS))
     position_ids = memory.begin_chunk(query_pos)
     model(input_ids=query_pos[None], position_ids=position_ids[None], kv_memory=memory, use_cache=False)
     kv = nbytes(memory.keys, memory.values, memory.key_pos, *memory.state.values())
