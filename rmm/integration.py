@@ -120,9 +120,23 @@ def bounded_attention(
     allowed = kv_memory.allowed_mask(layer)  # [H or 1, Q, S] bool
     sink_query = kv_memory.sink_query(q)  # [H, G, Q, D] or None (cache positions, sinks)
 
-    if not kv_memory.record_attention and sink_query is None:
+    if not kv_memory.record_attention:
+        query_keys = keys
+        if sink_query is not None:
+            # the sink slots see the query re-rotated to its cache rank, every other slot the query
+            # itself: one fused call over [q, q_sink] . [k, 0] (other slots) or [0, k] (sink slots)
+            n_sinks = kv_memory.n_sink_slots
+            other, sinks = keys.clone(), torch.zeros_like(keys)
+            other[:, :n_sinks] = 0
+            sinks[:, :n_sinks] = keys[:, :n_sinks]
+            q, query_keys = torch.cat([q, sink_query], dim=-1), torch.cat([other, sinks], dim=-1)
         out = F.scaled_dot_product_attention(
-            q, keys[:, None], values[:, None], attn_mask=allowed[:, None], scale=scaling, enable_gqa=True
+            q,
+            query_keys[:, None],
+            values[:, None],
+            attn_mask=allowed[:, None],
+            scale=scaling,
+            enable_gqa=True,
         )
     else:
         logits = torch.matmul(q, keys[:, None].transpose(-1, -2)).float() * scaling  # [H, G, Q, S]
