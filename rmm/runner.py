@@ -58,6 +58,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     context = _reference_context(cfg, dims, longest) if needs_future else None
 
     engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
+    engine.check_stream(longest)  # fail before the first document, not at the longest one
     totals = RunTotals()
     environment = environment_info()  # the code that runs, read before it runs
     memory = PeakMemory(device)
