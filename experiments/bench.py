@@ -1,6 +1,7 @@
 """Throughput benchmark, everything measured side by side in one process on the same tokens.
 
     python experiments/bench.py [--tokens 4096] [--budget 256] [--chunk 64] [--threads 2] [--repeats 1]
+    python experiments/bench.py --chunks 64 256 512     # throughput against C, engine and plain forward
 
 Prints tokens/s of the engine under every policy (position rules, attention-based and attention-free
 score-based policies), of a token-by-token physical-eviction loop (StreamingLLM's evaluation method:
@@ -126,6 +127,43 @@ def memory_check(lengths: list[int], budget: int, chunk: int) -> None:
     print(f"peak ratio longest/shortest stream: {peaks[-1]['peak'] / peaks[0]['peak']:.3f}")
 
 
+def chunk_sweep(model, tokens: torch.Tensor, chunks: list[int], budget: int) -> None:
+    """tokens/s against C for the engine (every policy at decision chunk C) and for plain forward passes
+    over C-token windows, side by side; position rules stream in max(C, 1024)-token passes whatever C."""
+    n = tokens.numel()
+    policies = [
+        ("window", {}, "original"),
+        ("streaming_llm", {}, "cache"),
+        ("h2o", {}, "original"),
+        ("rmm", {"lag": 64}, "original"),
+    ]
+    print(f"chunk sweep: B={budget} for every C, {n} tokens")
+    seconds, _ = timed(lambda: plain_forward(model, tokens, 2048))
+    forward_2048 = n / seconds
+    print(f"plain forward, 2048-token windows  {forward_2048:8.1f} tokens/s")
+    header = "".join(f"{f'{name}/{positions}':>22s}" for name, _, positions in policies)
+    print(
+        f"{'C':>5s}{header}{'forward(C)':>12s}   ratios to forward(C); position rules also to forward(2048)"
+    )
+    for chunk in chunks:
+        rates = []
+        for name, params, positions in policies:
+            policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
+            engine = StreamingEngine(model, policy, positions=positions)
+            engine.stream(tokens[: 2 * chunk + 1])  # warm-up
+            seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
+            rates.append((n - 1) / seconds)
+        seconds, _ = timed(lambda chunk=chunk: plain_forward(model, tokens, chunk))
+        forward = n / seconds
+        ratios = " ".join(f"{rate / forward:5.2f}x" for rate in rates)
+        to_2048 = " ".join(f"{rate / forward_2048:5.2f}x" for rate in rates[:2])
+        print(
+            f"{chunk:5d}"
+            + "".join(f"{rate:22.1f}" for rate in rates)
+            + f"{forward:12.1f}   {ratios} | {to_2048}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -150,6 +188,13 @@ def main() -> None:
         metavar="N",
         help="only compare the peak memory of whole processes streaming N tokens (e.g. 4096 32768)",
     )
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        nargs="*",
+        metavar="C",
+        help="only sweep the chunk (e.g. 64 256 512): engine and plain forward at each C, B >= 2 max(C)",
+    )
     parser.add_argument("--stream-peak", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -162,6 +207,8 @@ def main() -> None:
         OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
     tokens = load_tokens(tokenizer, args.tokens)
+    if args.chunks:
+        return chunk_sweep(model, tokens, args.chunks, max(args.budget, 2 * max(args.chunks)))
     n = tokens.numel()
     print(f"SmolLM2-135M fp32 on CPU, {args.threads} threads, {n} tokens, B={args.budget}, C={args.chunk}")
 

@@ -24,6 +24,20 @@ ChunkHook = Callable[[int, torch.Tensor], None]
 BoundaryHook = Callable[[SlotMemory, int, torch.Tensor], None]
 
 
+# Position rules decide per query, so their results do not depend on how many tokens one forward pass
+# takes; without recorded attention they stream in chunks of at least this many tokens (the decision
+# chunk C and the budget B do not limit them).
+POSITION_RULE_CHUNK = 1024
+
+
+def stream_chunk(policy: Policy, record_attention: bool) -> int:
+    """Tokens per forward pass: C for score-based policies and whenever attention is recorded,
+    max(C, POSITION_RULE_CHUNK) for position rules otherwise."""
+    if record_attention or not policy.per_query:
+        return policy.chunk
+    return max(policy.chunk, POSITION_RULE_CHUNK)
+
+
 @dataclass
 class StreamResult:
     """Per-token outcome of one stream of n tokens.
@@ -49,6 +63,7 @@ class StreamingEngine:
     def __init__(
         self, model: PreTrainedModel, policy: Policy, positions: str = "original", scope: str = "head"
     ):
+        integration.check_model(model, positions)
         integration.install(model)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         dims = describe_model(model)
@@ -57,8 +72,35 @@ class StreamingEngine:
         self.dtype = next(model.parameters()).dtype
         self.rotary = Rotary(model).to(self.device)
 
+    def reach(self, n_tokens: int) -> int:
+        """The largest distance between a query and a key it may attend, in the model's positions."""
+        policy = self.policy
+        if policy.budget is None:
+            return n_tokens - 1
+        if self.positions == "cache":  # ranks: the oldest visible key is at most B positions back
+            return min(policy.budget, n_tokens - 1)
+        if policy.per_query:
+            keys = torch.arange(n_tokens)
+            visible = policy.allowed(torch.tensor([n_tokens - 1]), keys)[0]
+            return n_tokens - 1 - int(keys[visible].min())
+        return n_tokens - 1  # a score-based policy may keep any past key
+
+    def check_stream(self, n_tokens: int) -> None:
+        """Refuse, before streaming, an ``n_tokens`` stream the model's attention would treat differently."""
+        what = f"policy {self.policy.name} with positions={self.positions} over {n_tokens} tokens"
+        integration.check_reach(self.model, self.reach(n_tokens), what)
+
+    def chunks(self, n_tokens: int, record_attention: bool) -> list[tuple[int, int]]:
+        """(start, stop) of every forward pass. The first holds at most B tokens, so that a position
+        rule's first positions (streaming_llm's sinks) are retained slots by the time a query needs
+        them re-rotated (:mod:`rmm.memory`); the chunk itself is :func:`stream_chunk`."""
+        step = stream_chunk(self.policy, record_attention)
+        first = step if self.policy.budget is None else min(step, self.policy.budget)
+        starts = [0, *range(first, n_tokens, step)] if first < n_tokens else [0]
+        return [(start, min(start + (first if start == 0 else step), n_tokens)) for start in starts]
+
     def new_memory(self, n_tokens: int, record_attention: bool) -> SlotMemory:
-        chunk = min(self.policy.chunk, n_tokens)
+        chunk = min(stream_chunk(self.policy, record_attention), n_tokens)
         retained = n_tokens if self.policy.budget is None else self.policy.capacity
         return SlotMemory(
             self.policy,
@@ -87,6 +129,7 @@ class StreamingEngine:
         n = tokens.numel()
         if n < 2:
             raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
+        self.check_stream(n)
         tokens = tokens.to(self.device)
         policy = self.policy
         scoring = not policy.per_query
@@ -94,8 +137,7 @@ class StreamingEngine:
         nll = torch.empty(n - 1, device=self.device)
         correct = torch.empty(n - 1, dtype=torch.bool, device=self.device)
         attended, age_sum, n_evicted = 0.0, 0.0, 0
-        for start in range(0, n, policy.chunk):
-            stop = min(start + policy.chunk, n)
+        for start, stop in self.chunks(n, memory.record_attention):
             query_pos = torch.arange(start, stop, device=self.device)
             position_ids = memory.begin_chunk(query_pos)
             logits = (

@@ -5,20 +5,42 @@ The engine streams chunks through an unmodified Hugging Face causal LM. Every at
 the layer's slots in the :class:`~rmm.memory.SlotMemory` passed down as the ``kv_memory`` keyword.
 Models need rotary position embeddings with the ``rotate_half`` convention (Llama, Mistral, Qwen2,
 SmolLM, GPT-NeoX with partial rotary); nothing model-specific is copied.
+
+Attention features the bounded attention reproduces: causal softmax attention with the model's own
+``scaling``, multi-head and grouped-query heads, RoPE (full or partial rotary; plain, ``linear``,
+``llama3`` and ``yarn`` frequencies; ``dynamic`` and ``longrope`` with original positions only), and a
+sliding window as long as no query can reach a key that far back. Anything else a model asks of its
+attention function (ALiBi, logit soft-capping, per-layer rotary frequencies, attention sinks, an unknown
+keyword) is refused with an error before any token is scored: :func:`check_model`, :func:`check_reach`
+and the keyword check in :func:`bounded_attention`.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
+from rmm.models import active_sliding_window
+
 if TYPE_CHECKING:
     from rmm.memory import SlotMemory
 
 ATTENTION_NAME = "rmm_bounded"
+# keywords transformers passes to attention functions that the bounded attention may ignore: the
+# engine supplies positions and masks itself and never uses the model's cache
+IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "is_causal"})
+# model types that always use ALiBi (others say so with config.alibi or position_embedding_type)
+ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
+# rope types whose frequencies change with the sequence length (transformers' dynamic_rope_update)
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention asks for something the bounded attention does not reproduce."""
 
 
 def bounded_attention(
@@ -30,6 +52,8 @@ def bounded_attention(
     scaling: float,
     dropout: float = 0.0,
     kv_memory: SlotMemory | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention of a chunk's queries over the layer's retained slots plus the chunk itself.
@@ -39,6 +63,8 @@ def bounded_attention(
     query : [1, n_heads, Q, head_dim], rotated by the model at the positions the engine passed.
     key, value : [1, n_kv_heads, Q, head_dim] for the chunk's tokens.
     kv_memory : the engine's slot memory; required (the model must be driven by the engine).
+    sliding_window : the layer's window, already cleared by :func:`check_reach` before streaming.
+    softcap, kwargs : anything else must be None or in ``IGNORED_KWARGS``, else the call is refused.
 
     Returns
     -------
@@ -46,6 +72,7 @@ def bounded_attention(
     """
     if kv_memory is None:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' is only usable through rmm.engine.StreamingEngine")
+    _check_call(module, sliding_window, softcap, kwargs)
     layer = module.layer_idx
     n_kv = key.shape[1]
     q = query[0].view(n_kv, -1, query.shape[2], query.shape[3])  # [H, G, Q, D]
@@ -55,9 +82,23 @@ def bounded_attention(
     if kv_memory.record_queries:
         kv_memory.store_queries(layer, q)
 
-    if not kv_memory.record_attention and sink_query is None:
+    if not kv_memory.record_attention:
+        query_keys = keys
+        if sink_query is not None:
+            # the sink slots see the query re-rotated to its cache rank, every other slot the query
+            # itself: one fused call over [q, q_sink] . [k, 0] (other slots) or [0, k] (sink slots)
+            n_sinks = kv_memory.n_sink_slots
+            other, sinks = keys.clone(), torch.zeros_like(keys)
+            other[:, :n_sinks] = 0
+            sinks[:, :n_sinks] = keys[:, :n_sinks]
+            q, query_keys = torch.cat([q, sink_query], dim=-1), torch.cat([other, sinks], dim=-1)
         out = F.scaled_dot_product_attention(
-            q, keys[:, None], values[:, None], attn_mask=allowed[:, None], scale=scaling, enable_gqa=True
+            q,
+            query_keys[:, None],
+            values[:, None],
+            attn_mask=allowed[:, None],
+            scale=scaling,
+            enable_gqa=True,
         )
     else:
         logits = torch.matmul(q, keys[:, None].transpose(-1, -2)).float() * scaling  # [H, G, Q, S]
@@ -76,7 +117,93 @@ def bounded_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The forward keyword for a KV cache: ``cache`` in recent transformers 5, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def install(model: PreTrainedModel) -> None:
     """Register :func:`bounded_attention` and switch ``model`` to it (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, bounded_attention)
     model.set_attn_implementation(ATTENTION_NAME)
+
+
+def check_model(model: PreTrainedModel, positions: str) -> None:
+    """Refuse, before streaming, a model whose attention the bounded attention would not reproduce.
+
+    Checks the (text) config and the rotary modules; the sliding window depends on the stream and is
+    checked by :func:`check_reach`. Raises :class:`UnsupportedModelError` naming the fix.
+    """
+    config = model.config.get_text_config()
+    name = f"{type(model).__name__} ({config.model_type})"
+    alibi = getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi"
+    if alibi or config.model_type in ALIBI_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{name} uses ALiBi position biases, which the bounded attention does not add; use a RoPE "
+            "model (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX)"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise UnsupportedModelError(
+            f"{name} soft-caps its attention logits (attn_logit_softcapping={softcap}), which the bounded "
+            "attention does not do; use a model without attention soft-capping (Llama, Mistral, Qwen2)"
+        )
+    modules = _rotary_modules(model)
+    buffers = [m.inv_freq for m in modules if hasattr(m, "inv_freq")]
+    if any(b.shape != buffers[0].shape or not torch.equal(b, buffers[0]) for b in buffers[1:]):
+        raise UnsupportedModelError(
+            f"{name} uses different rotary frequencies in different layers; the bounded attention "
+            "re-rotates keys with one set of frequencies, so use a model with a single rotary embedding"
+        )
+    rope_types = {getattr(m, "rope_type", "default") for m in modules}
+    length_dependent = sorted(str(t) for t in rope_types if t in LENGTH_DEPENDENT_ROPE)
+    if positions == "cache" and length_dependent:
+        raise UnsupportedModelError(
+            f"{name} uses {length_dependent[0]} RoPE, whose frequencies change with the sequence length, so "
+            "keys re-rotated to their cache rank would not match the model's own rotation; use "
+            "positions=original, or a model with static RoPE scaling"
+        )
+
+
+def check_reach(model: PreTrainedModel, reach: int, what: str) -> None:
+    """Refuse a stream whose queries may attend keys ``reach`` positions back past the model's window.
+
+    A sliding window of W hides keys W or more positions back; the bounded attention does not apply it,
+    so it reproduces the model only while ``reach`` < W. ``what`` describes the stream for the message.
+    """
+    window = active_sliding_window(model.config)
+    if window is None or reach < window:
+        return
+    raise UnsupportedModelError(
+        f"{model.config.get_text_config().model_type} applies a sliding window of {window} positions (keys "
+        f"{window} or more positions back are invisible to it), but {what} lets a query attend keys up to "
+        f"{reach} positions back, which the bounded attention would not hide. Keep the reach below {window}: "
+        f"positions=cache with budget<={window - 1}, policy=window with budget<={window - 1}, or streams of "
+        f"at most {window} tokens (dataset.max_tokens<={window}; oracle.context<={window - 1} for a "
+        "reference pass)"
+    )
+
+
+def _check_call(
+    module: torch.nn.Module, sliding_window: int | None, softcap: float | None, kwargs: dict
+) -> None:
+    """Refuse attention keywords the bounded attention would otherwise drop silently."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_KWARGS and v is not None)
+    if unknown or softcap is not None:
+        names = ", ".join(unknown + (["softcap"] if softcap is not None else []))
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passes {names} to its attention function, which the bounded attention "
+            "does not implement; use a supported model (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX) "
+            "or extend rmm/integration.py:bounded_attention"
+        )
+    config = getattr(module, "config", None)
+    if sliding_window is not None and (config is None or active_sliding_window(config) != sliding_window):
+        raise UnsupportedModelError(
+            f"{type(module).__name__} applies a sliding window of {sliding_window} that its config does not "
+            "declare, so it was not checked before streaming; use a supported model or extend "
+            "rmm/models.py:active_sliding_window"
+        )
+
+
+def _rotary_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    return [m for name, m in model.named_modules() if name.endswith("rotary_emb")]

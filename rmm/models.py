@@ -12,6 +12,7 @@ default attention implementation (the engine registers its own attention functio
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -26,8 +27,10 @@ from typing import Any
 import torch
 import transformers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -119,6 +122,77 @@ def describe_model(model: PreTrainedModel) -> dict[str, Any]:
         "max_position_embeddings": config.max_position_embeddings,
         "model_type": config.model_type,
     }
+
+
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "sliding_window",
+    "tie_word_embeddings",
+)
+
+
+def architecture(config: PretrainedConfig) -> dict[str, Any]:
+    """The architecture numbers of ``conf/model/*.yaml`` (``ARCHITECTURE_KEYS``), read from a model config.
+
+    Reads both rope conventions (transformers 5 ``rope_parameters``, 4.x ``rope_theta`` and
+    ``rope_scaling``); ``rope_scaling`` is None for plain RoPE. ``sliding_window`` is the window that is
+    actually active (None when the config disables it, e.g. Qwen2's ``use_sliding_window: false``).
+    """
+    config = config.get_text_config()
+    n_heads = config.num_attention_heads
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", getattr(config, "rope_theta", None))
+    rope.pop("partial_rotary_factor", None)
+    scaling = rope or getattr(config, "rope_scaling", None)
+    if scaling and len(scaling) == 1 and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or n_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": None if theta is None else float(theta),
+        "rope_scaling": dict(scaling) if scaling else None,
+        "sliding_window": active_sliding_window(config),
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+    }
+
+
+def active_sliding_window(config: PretrainedConfig) -> int | None:
+    """The sliding window some attention layer applies (keys at distance >= window hidden), or None."""
+    config = config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def config_from_architecture(arch: Mapping[str, Any], **overrides: Any) -> PretrainedConfig:
+    """A transformers config with the numbers of an ``architecture`` node (plus ``overrides``)."""
+    settings = copy.deepcopy({**arch, **overrides})  # transformers edits nested rope dicts in place
+    model_type = settings.pop("model_type")
+    if settings.get("sliding_window") is not None and model_type == "qwen2":
+        settings.setdefault("use_sliding_window", True)
+        settings.setdefault("max_window_layers", 0)
+    return AutoConfig.for_model(model_type, **settings)
 
 
 def _local_dir(path: str | os.PathLike) -> Path:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from rmm.integration import UnsupportedModelError
+
 
 class Rotary:
     """Rotations by arbitrary position offsets, using the model's own rotary frequencies.
@@ -22,7 +24,7 @@ class Rotary:
     def __init__(self, model: PreTrainedModel):
         modules = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
         if not modules or not hasattr(modules[0], "inv_freq"):
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"{type(model).__name__} has no rotary embedding module with `inv_freq`; "
                 "the harness supports RoPE models (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX)"
             )

@@ -104,6 +104,7 @@ def stream_documents(cfg: DictConfig, setup: RunSetup, tracker: Tracker) -> tupl
     """Stream every document under the policy; returns the run's totals and its peak memory."""
     policy = setup.policy
     engine = StreamingEngine(setup.model, policy, positions=cfg.positions, scope=cfg.scope)
+    engine.check_stream(setup.longest)  # fail before the first document, not at the longest one
     totals = RunTotals()
     memory = PeakMemory(setup.device)
     progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)

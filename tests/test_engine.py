@@ -84,7 +84,7 @@ def test_memory_does_not_grow_with_the_stream(tiny_models, name):
         tensors += [memory.attn] if memory.attn is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    assert memory_bytes(200) == memory_bytes(20_000)
+    assert memory_bytes(2_000) == memory_bytes(20_000)  # beyond one forward pass of the longest chunk
 
 
 def test_attended_counts_follow_the_budget(tiny_models, streams):

@@ -14,11 +14,14 @@ from conftest import tiny_model as build_tiny_model
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from rmm import models as rmm_models
 from rmm.models import (
+    ARCHITECTURE_KEYS,
     ModelNotAvailableError,
+    architecture,
+    config_from_architecture,
     describe_model,
     load_model,
     resolve_device,
@@ -126,7 +129,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def test_local_loads_identical(tiny_model: tuple[Path, torch.nn.Module, object]) -> None:
     path, reference, ref_tokenizer = tiny_model
-    cfg = OmegaConf.create({"name": "local", "source": "local", "path": str(path), "max_context": None})
+    cfg = OmegaConf.create({"name": "local", "source": "local", "path": str(path)})
     model, tokenizer = load_model(cfg, CPU, torch.float32)
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
     assert ids.equal(ref_tokenizer(TEXT, return_tensors="pt").input_ids)
@@ -240,8 +243,8 @@ def test_gguf_embedded_default_caches(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 # --- conf/model/*.yaml --------------------------------------------------------------------------------
 
-HUB_KEYS = {"name", "source", "hub_id", "revision", "path", "max_context"}
-GGUF_KEYS = {"name", "source", "package", "gguf_file", "path", "max_context"}
+HUB_KEYS = {"name", "source", "hub_id", "revision", "path", "architecture"}
+GGUF_KEYS = {"name", "source", "package", "gguf_file", "path", "architecture"}
 
 
 @pytest.mark.parametrize("stem", sorted(p.stem for p in CONF_MODEL.glob("*.yaml")))
@@ -257,9 +260,50 @@ def test_model_configs_compose(stem: str) -> None:
         assert HUB_KEYS <= keys
         assert cfg.revision is None
         if cfg.source == "hub":
-            assert cfg.path is None and "/" in cfg.hub_id and cfg.max_context > 0
+            assert cfg.path is None and "/" in cfg.hub_id
         else:
-            assert cfg.source == "local" and OmegaConf.is_missing(cfg, "path")
+            assert cfg.source == "local" and OmegaConf.is_missing(cfg, "path") and cfg.architecture is None
+
+
+SHIPPED = sorted(p.stem for p in CONF_MODEL.glob("*.yaml") if p.stem != "local")
+
+
+@pytest.mark.parametrize("stem", SHIPPED)
+def test_architecture_numbers_build_the_model(stem: str) -> None:
+    """Every shipped config records its architecture; it builds a config that reads back the same."""
+    arch = OmegaConf.to_container(OmegaConf.load(CONF_MODEL / f"{stem}.yaml").architecture)
+    assert list(arch) == list(ARCHITECTURE_KEYS)
+    config = config_from_architecture(arch)
+    assert architecture(config) == arch
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert describe_model(model)["head_dim"] == arch["head_dim"]
+    assert arch["num_attention_heads"] % arch["num_key_value_heads"] == 0
+
+
+def _real_config(stem: str):
+    """The checkpoint's own config when it is available on this machine (None otherwise)."""
+    cfg = OmegaConf.load(CONF_MODEL / f"{stem}.yaml")
+    if cfg.source == "gguf_package":
+        if importlib.util.find_spec(cfg.package) is None:
+            return None
+        gguf = rmm_models._find_gguf(cfg.package, cfg.gguf_file)
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        return AutoConfig.from_pretrained(cfg.hub_id, local_files_only=True)
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("stem", SHIPPED)
+def test_architecture_numbers_match_the_real_config(stem: str) -> None:
+    real = _real_config(stem)
+    if real is None:
+        if stem == "smollm2_135m":
+            pytest.fail("SmolLM2's GGUF must be installed (make setup): its config is always checkable")
+        pytest.skip(f"{stem}'s config.json is not in the local Hugging Face cache")
+    recorded = OmegaConf.to_container(OmegaConf.load(CONF_MODEL / f"{stem}.yaml").architecture)
+    assert architecture(real) == recorded
 
 
 def test_expected_model_configs() -> None:
@@ -268,6 +312,7 @@ def test_expected_model_configs() -> None:
         "smollm2_135m",
         "llama2_7b",
         "llama3_8b",
+        "llama3_1_8b",
         "mistral_7b",
         "qwen2_5_7b",
         "qwen2_5_0_5b",

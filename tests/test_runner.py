@@ -58,7 +58,8 @@ def test_full_run_reports_the_plain_forward_perplexity(tmp_path):
     assert PROTOCOL_METRICS <= set(metrics)
     assert metrics == read_metrics(tmp_path)
     tokens = read_tokens(tmp_path)
-    assert list(tokens.columns) == ["doc_id", "position", "token_id", "nll", "correct"]
+    assert list(tokens.columns) == ["doc_id", "position", "token_id", "nll", "correct", "segment"]
+    assert tokens["segment"].isna().all()  # plain text carries no segment labels
     assert tokens.groupby("doc_id")["position"].min().eq(0).all()
     assert tokens.loc[tokens.position == 0, "nll"].isna().all()
     assert metrics["n_tokens"] == int(tokens.nll.notna().sum()) == 2 * 95

@@ -1,0 +1,438 @@
+"""One-call GPU check: correctness of the engine on the device, then speed and memory of a 7-8B shape.
+
+    python -m experiments.gpu_check                     # on a CUDA machine: < 8 minutes on one H200
+    python -m experiments.gpu_check --device cpu --small   # the same, end to end, in seconds (tests)
+
+Needs only torch, transformers, numpy, pandas and this package (no Hydra, W&B, datasets, GGUF or hub:
+every model is random-initialised). Prints one JSON summary and writes it to ``--out`` (rewritten after
+every section, so a run cut short keeps what it measured). Sections:
+
+- ``matrix``: the reference matrix (tiny random Llama, Qwen2, Mistral, GPT-NeoX; every policy; chunk 1
+  and 4; both position modes). The token-by-token reference (:mod:`rmm.reference`) runs on the CPU in
+  fp32; the engine runs on the device in fp32, where it must agree as on the CPU, and in bf16, where
+  NLL agreement and the fraction of identical retained sets are reported.
+- ``speed``: a random-init bf16 model with Llama-3.1-8B's architecture (``conf/model/llama3_1_8b.yaml``:
+  32 layers, GQA 32/8, head_dim 128, llama3 rope scaling) streaming 32k tokens at B=2048: tokens/s of
+  window, streaming_llm (cache positions), h2o and rmm; plain forward passes over 8k-token windows
+  (SDPA); a token-by-token eviction loop over 1k tokens; peak device memory at 8k and 32k tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import transformers
+import yaml
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from rmm.engine import StreamingEngine
+from rmm.future import record_future
+from rmm.integration import cache_keyword
+from rmm.models import config_from_architecture
+from rmm.policies import POLICIES, make_policy
+from rmm.reference import ReferenceSpec, reference_stream
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEED_ARCHITECTURE = ROOT / "conf" / "model" / "llama3_1_8b.yaml"
+
+# ---- the reference matrix (the same models and policy cases as the test suite) ---------------------
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=61,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
+}
+SPECIFIC = {"mistral": {"sliding_window": None}, "gpt_neox": {"rotary_pct": 0.5}}
+CASES = [
+    ("full", {}),
+    ("window", {}),
+    ("streaming_llm", {"sinks": 2}),
+    ("h2o", {}),
+    ("h2o", {"rho": 0.0}),
+    ("rmm", {"lag": 3}),
+    ("rmm", {"lag": 3, "weight": "prob"}),
+    ("rmm", {"lag": 3, "weight": "uniform"}),
+    ("rmm", {"lag": 3, "after_commit": "freeze"}),
+    ("rmm", {"lag": 4, "weight": "prob", "after_commit": "freeze"}),
+    ("rmm", {"lag": 0, "weight": "uniform", "after_commit": "freeze"}),
+    ("tova", {}),
+    ("random", {}),
+    ("oracle", {}),
+    ("oracle", {"variant": "future_mass"}),
+    ("observed_attention", {}),
+    ("snapkv", {"window": 2, "kernel": 3, "pooling": "avg"}),
+    ("knorm", {}),
+    ("keydiff", {}),
+    ("lru", {}),
+    ("lagkv", {"partition": 3, "sinks": 1}),
+]
+MATRIX_BUDGET = 12
+MATRIX_TOKENS = 48
+SMALL_MATRIX_TOKENS = 24
+FP32_NLL_ATOL = 1e-4  # fp32 engine vs fp32 reference, per token (what the CPU test suite requires)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A small random causal LM whose attention is peaked enough for eviction to matter (CPU, fp32)."""
+    config_cls, model_cls = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    settings = {**TINY, **SPECIFIC.get(arch, {}), **overrides}
+    if arch == "gpt_neox":
+        del settings["num_key_value_heads"]
+    return model_cls(config_cls(**settings)).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def sampled_stream(model: PreTrainedModel, n: int, seed: int = 1, follow: float = 0.5) -> torch.Tensor:
+    """A stream [n] the model partly predicts: each next token is the model's argmax with probability
+    ``follow``, else uniformly random (so correctness-weighted policies see both outcomes)."""
+    model.set_attn_implementation("sdpa")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    tokens = [int(torch.randint(vocab, (1,), generator=generator))]
+    for _ in range(n - 1):
+        if float(torch.rand(1, generator=generator)) < follow:
+            tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+        else:
+            tokens.append(int(torch.randint(vocab, (1,), generator=generator)))
+    return torch.tensor(tokens)
+
+
+def matrix_cases(archs: list[str], every_case: bool = True) -> list[tuple[str, str, dict, int, str]]:
+    """(arch, policy, params, chunk, positions) over chunk 1 and 4 and both position modes; without
+    ``every_case`` only each policy's first case."""
+    cases = [c for i, c in enumerate(CASES) if every_case or c[0] not in {n for n, _ in CASES[:i]}]
+    out = []
+    for arch, (name, params), chunk, positions in itertools.product(
+        archs, cases, [1, 4], ["original", "cache"]
+    ):
+        if name == "rmm" and params["lag"] >= MATRIX_BUDGET - chunk + 1:
+            continue
+        out.append((arch, name, params, chunk, positions))
+    return out
+
+
+def engine_run(model, tokens, name, params, chunk, positions) -> tuple[Any, dict[int, list]]:
+    """The engine's result and its retained sets R_now per boundary ([L][H] sorted position lists)."""
+    policy = make_policy({"name": name, **params}, budget=MATRIX_BUDGET, chunk=chunk)
+    policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=1024))
+    sets: dict[int, list] = {}
+
+    def hook(memory, now, evicted):
+        pos = memory.retained_positions().cpu()
+        sets[now] = [[sorted(p for p in head.tolist() if p >= 0) for head in layer] for layer in pos]
+
+    result = StreamingEngine(model, policy, positions=positions).stream(tokens, on_boundary=hook)
+    return result, sets
+
+
+def compare(result, sets, ref_nll, ref_correct, ref_sets) -> dict[str, float]:
+    """Agreement of one engine run with the reference."""
+    pairs = [
+        (set(head), set(ref_sets[now][layer][h]))
+        for now, engine_set in sets.items()
+        for layer, heads in enumerate(engine_set)
+        for h, head in enumerate(heads)
+    ]
+    split = [now for now, engine_set in sets.items() if engine_set != ref_sets[now]]
+    first_split = min(split, default=ref_nll.numel() + 1)  # queries before it saw identical sets
+    diff = (result.nll - ref_nll).abs()
+    return {
+        "max_token_nll_diff": float(diff.max()),
+        "token_nll_diff_while_same": float(diff[:first_split].max()) if first_split else 0.0,
+        "mean_nll_diff": abs(result.nll.double().mean().item() - ref_nll.double().mean().item()),
+        "argmax_agreement": float((result.correct == ref_correct).float().mean()),
+        "same_sets": sum(a == b for a, b in pairs) / len(pairs) if pairs else 1.0,
+        "set_overlap": sum(len(a & b) / max(len(a | b), 1) for a, b in pairs) / len(pairs) if pairs else 1.0,
+    }
+
+
+def reference_matrix(
+    device: torch.device,
+    dtypes: list[torch.dtype],
+    cases: list[tuple[str, str, dict, int, str]],
+    n_tokens: int = MATRIX_TOKENS,
+) -> pd.DataFrame:
+    """One row per (case, dtype): the engine on ``device`` against the fp32 CPU reference."""
+    rows = []
+    models: dict[str, PreTrainedModel] = {}
+    streams: dict[str, torch.Tensor] = {}
+    for arch, name, params, chunk, positions in cases:
+        if arch not in models:
+            models[arch] = tiny_model(arch)
+            streams[arch] = sampled_stream(models[arch], n_tokens)
+        reference_model, tokens = models[arch], streams[arch]
+        if "keys" in POLICIES[name].needs:  # equal keys of a repeated token tie; rounding would decide
+            tokens = torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(1))[:n_tokens]
+        spec = ReferenceSpec(policy=name, budget=MATRIX_BUDGET, chunk=chunk, positions=positions, **params)
+        ref_nll, ref_correct = reference_stream(reference_model, tokens, spec)
+        for dtype in dtypes:
+            model = tiny_model(arch).to(device=device, dtype=dtype)
+            result, sets = engine_run(model, tokens.to(device), name, params, chunk, positions)
+            row = compare(result, sets, ref_nll, ref_correct, spec.retained_log)
+            case = f"{name}-{'-'.join(map(str, params.values()))}".rstrip("-")
+            rows.append({"arch": arch, "case": case, "policy": name, "chunk": chunk, "positions": positions})
+            rows[-1] |= {"dtype": str(dtype).removeprefix("torch."), **row}
+    return pd.DataFrame(rows)
+
+
+def summarize_matrix(frame: pd.DataFrame) -> dict[str, Any]:
+    """Per dtype: worst NLL agreement, identical retained sets overall and per policy."""
+    out = {}
+    for dtype, rows in frame.groupby("dtype"):
+        same = rows.groupby("policy")["same_sets"].mean()
+        summary = {
+            "runs": len(rows),
+            "max_token_nll_diff": float(rows["max_token_nll_diff"].max()),
+            "max_token_nll_diff_while_sets_identical": float(rows["token_nll_diff_while_same"].max()),
+            "max_mean_nll_diff": float(rows["mean_nll_diff"].max()),
+            "min_argmax_agreement": float(rows["argmax_agreement"].min()),
+            "identical_sets_frac": float(rows["same_sets"].mean()),
+            "identical_sets_frac_by_policy": {k: round(float(v), 4) for k, v in same.items()},
+            "min_set_overlap": float(rows["set_overlap"].min()),
+        }
+        if dtype == "float32":
+            bad = rows[(rows["max_token_nll_diff"] > FP32_NLL_ATOL) | (rows["same_sets"] < 1.0)]
+            summary["agrees"] = bad.empty
+            summary["nll_atol"] = FP32_NLL_ATOL
+            summary["disagreeing"] = [
+                f"{r.arch} {r.case} C={r.chunk} {r.positions}" for r in bad.itertuples()
+            ]
+        out[str(dtype)] = summary
+    return out
+
+
+# ---- speed and memory ------------------------------------------------------------------------------
+def speed_model(device: torch.device, small: bool) -> PreTrainedModel:
+    """Llama-3.1-8B's architecture, random-initialised in bf16 on ``device`` (``small``: 2 narrow layers)."""
+    arch = yaml.safe_load(SPEED_ARCHITECTURE.read_text())["architecture"]
+    overrides = (
+        dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024)
+        | dict(num_attention_heads=8, num_key_value_heads=2)
+        if small
+        else {}
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config_from_architecture(arch, **overrides), dtype=torch.bfloat16
+        )
+    return model.eval().requires_grad_(False)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    """Peak allocated device memory since the last reset (None on the CPU: not measured here)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+@torch.no_grad()
+def token_loop(model: PreTrainedModel, tokens: torch.Tensor, budget: int, sinks: int = 4) -> torch.Tensor:
+    """StreamingLLM-style evaluation: one token per forward, the cache cut to sinks + the last B - sinks."""
+    model.set_attn_implementation("sdpa")
+    keyword = cache_keyword(model)
+    cache = DynamicCache()
+    nll = torch.empty(tokens.numel() - 1, device=tokens.device)
+    positions = torch.arange(tokens.numel(), device=tokens.device)
+    for t in range(tokens.numel() - 1):
+        out = model(
+            tokens[None, t : t + 1],
+            position_ids=positions[None, t : t + 1],
+            use_cache=True,
+            **{keyword: cache},
+        )
+        nll[t] = -torch.log_softmax(out.logits[0, -1].float(), -1)[tokens[t + 1]]
+        for layer in out.past_key_values.layers:
+            if layer.keys.shape[-2] > budget:
+                layer.keys = torch.cat(
+                    [layer.keys[..., :sinks, :], layer.keys[..., -(budget - sinks) :, :]], -2
+                )
+                layer.values = torch.cat(
+                    [layer.values[..., :sinks, :], layer.values[..., -(budget - sinks) :, :]], -2
+                )
+        cache = out.past_key_values
+    return nll
+
+
+@torch.no_grad()
+def plain_forward(model: PreTrainedModel, tokens: torch.Tensor, window: int) -> None:
+    """Plain forward passes (SDPA) over consecutive ``window``-token windows of ``tokens``."""
+    model.set_attn_implementation("sdpa")
+    for start in range(0, tokens.numel(), window):
+        model(tokens[None, start : start + window], use_cache=False)
+
+
+SPEED_POLICIES = [  # rmm's lag is B / 32 (64 at B = 2048)
+    ("window", {}, "original"),
+    ("streaming_llm", {}, "cache"),
+    ("h2o", {}, "original"),
+    ("rmm", {}, "original"),
+]
+
+
+def speed(device: torch.device, small: bool, chunk: int) -> dict[str, Any]:
+    """tokens/s and peak memory of the engine, plain forward passes and a token loop."""
+    n, short, budget, window, loop = (512, 128, 64, 128, 64) if small else (32768, 8192, 2048, 8192, 1024)
+    chunk = min(chunk, budget // 4)  # room for rmm's lag at the small sizes
+    model = speed_model(device, small)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(model.config.vocab_size, (n,), generator=generator).to(device)
+    out: dict[str, Any] = {
+        "model": "llama3_1_8b architecture, random init" + (" (small: 2 narrow layers)" if small else ""),
+        "dtype": "bfloat16",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens": n,
+        "budget": budget,
+        "chunk": chunk,
+        "tokens_per_s": {},
+        "peak_memory_bytes": {str(short): {}, str(n): {}},
+    }
+    for name, params, positions in SPEED_POLICIES:
+        key = f"{name}/{positions}"
+        params = {"lag": budget // 32} if name == "rmm" else params
+        policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
+        engine = StreamingEngine(model, policy, positions=positions)
+        engine.stream(tokens[: 2 * chunk + 1])  # warm-up
+        for length in (short, n):
+            peak_reset(device)
+            seconds = timed(device, lambda engine=engine, length=length: engine.stream(tokens[:length]))
+            out["peak_memory_bytes"][str(length)][key] = peak_bytes(device)
+            if length == n:
+                out["tokens_per_s"][key] = (n - 1) / seconds
+    plain_forward(model, tokens[:window], window)  # warm-up
+    peak_reset(device)
+    out["tokens_per_s"][f"plain_forward_{window}"] = n / timed(
+        device, lambda: plain_forward(model, tokens, window)
+    )
+    out["peak_memory_bytes"][str(n)][f"plain_forward_{window}"] = peak_bytes(device)
+    token_loop(model, tokens[:8], budget)  # warm-up
+    seconds = timed(device, lambda: token_loop(model, tokens[:loop], budget))
+    out["tokens_per_s"][f"token_loop_{loop}"] = (loop - 1) / seconds
+    rates = out["tokens_per_s"]
+    out["ratios"] = {
+        f"{key} / plain_forward": rates[key] / rates[f"plain_forward_{window}"] for key in rates if "/" in key
+    } | {f"{key} / token_loop": rates[key] / rates[f"token_loop_{loop}"] for key in rates if "/" in key}
+    return out
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": np.__version__,
+        "pandas": pd.__version__,
+        "cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+        # rmm/reference.py passes its cache as `cache=`; older transformers name it `past_key_values`
+        "forward_cache_keyword": cache_keyword(tiny_model("llama")),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    parser.add_argument("--small", action="store_true", help="tiny sizes: the whole check in seconds")
+    parser.add_argument("--sections", default="matrix,speed", help="comma-separated: matrix, speed")
+    parser.add_argument("--chunk", type=int, default=64, help="the engine's C in the speed section (64)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu" / "gpu_check.json")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("CUDA is not available here: run with --device cpu (add --small for a quick check)")
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if unknown := set(sections) - {"matrix", "speed"}:
+        raise SystemExit(f"unknown sections {sorted(unknown)}: use matrix and/or speed")
+    started = time.perf_counter()
+    summary: dict[str, Any] = {"environment": environment(device), "small": args.small, "sections": {}}
+    for section in sections:
+        start = time.perf_counter()
+        try:
+            if section == "matrix":
+                n_tokens = SMALL_MATRIX_TOKENS if args.small else MATRIX_TOKENS
+                cases = matrix_cases(["llama"] if args.small else list(ARCHITECTURES), not args.small)
+                frame = reference_matrix(device, [torch.float32, torch.bfloat16], cases, n_tokens)
+                result = summarize_matrix(frame)
+            else:
+                result = speed(device, args.small, args.chunk)
+        except Exception as err:  # keep the other sections' results: the GPU window is short
+            result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        result["wall_s"] = time.perf_counter() - start
+        summary["sections"][section] = result
+        summary["wall_s"] = time.perf_counter() - started
+        write_json(args.out, summary)
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

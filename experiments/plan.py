@@ -1,0 +1,232 @@
+"""GPU memory plan of a run, from the configs alone (no weights are loaded).
+
+    python experiments/plan.py model=llama3_8b budget=4096 chunk=256 policy=rmm dataset.max_tokens=65536
+    python experiments/plan.py model=qwen2_5_7b policy=oracle dataset.max_tokens=32768 --gpu-memory 80 --json
+
+Takes the same overrides as ``run.py`` (composed from ``conf/`` with Hydra) and prints what one run
+holds on the GPU: the weights, the engine's KV slots (keys, values, positions, policy statistics), the
+attention scratch (masks, and the recorded attention of policies that observe it), the activations of
+one chunk's forward pass, and the oracle's reference pass; with ``--gpu-memory`` also the largest
+chunk that fits. ``dtype=auto`` plans for a GPU (bfloat16). Formulas: docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rmm.engine import stream_chunk
+from rmm.models import architecture, config_from_architecture, resolve_dtype
+from rmm.policies import Policy, make_policy
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+REFERENCE_CHUNK = 256  # rmm.future.record_future's default chunk
+F32, I64, BOOL = 4, 8, 1
+
+
+@dataclass
+class Plan:
+    """Bytes on the GPU in one run; ``total_bytes`` is the weights plus the larger of the stream's
+    working set (KV, scratch, activations) and the reference pass's."""
+
+    weights_bytes: int
+    kv_bytes: int
+    scratch_bytes: int
+    activation_bytes: int
+    reference_pass_bytes: int
+    total_bytes: int
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """``conf/config.yaml`` with ``run.py``-style overrides."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def model_architecture(model_cfg: DictConfig) -> dict[str, Any]:
+    """The ``architecture`` node of a model config, or the config.json of ``model.path``."""
+    if model_cfg.get("architecture") is not None:
+        return OmegaConf.to_container(model_cfg.architecture, resolve=True)
+    if model_cfg.get("path"):
+        return architecture(AutoConfig.from_pretrained(model_cfg.path, local_files_only=True))
+    raise ValueError(
+        f"model {model_cfg.name!r} records no architecture: add an `architecture:` node to its "
+        "conf/model/*.yaml (see docs/models.md) or pass model.path=<dir with config.json>"
+    )
+
+
+@functools.cache
+def _parameter_count(arch_json: str) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config_from_architecture(json.loads(arch_json)))
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_count(arch: dict[str, Any]) -> int:
+    """Parameters of the model, counted on the meta device (nothing allocated, shared weights once)."""
+    return _parameter_count(json.dumps(arch, sort_keys=True))
+
+
+def memory_slots(policy: Policy, n_tokens: int, record: bool) -> tuple[int, int]:
+    """(R, Q): retained and chunk slots of the engine's memory for an ``n_tokens`` stream."""
+    chunk = min(stream_chunk(policy, record), n_tokens)
+    return (n_tokens if policy.budget is None else policy.capacity), chunk
+
+
+def kv_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, dtype: torch.dtype, record: bool) -> int:
+    """Keys and values [L, H, S, D] in ``dtype``, positions [L, H, S] int64, policy state [L, H, S] fp32."""
+    retained, chunk = memory_slots(policy, n_tokens, record)
+    slots = arch["num_hidden_layers"] * arch["num_key_value_heads"] * (retained + chunk)
+    element = torch.empty(0, dtype=dtype).element_size()
+    return slots * (2 * arch["head_dim"] * element + I64 + F32 * len(policy.state_names))
+
+
+def scratch_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, record: bool, sinks: bool) -> int:
+    """Attention masks, the recorded attention [L, H, C, S] and one layer's fp32 attention logits.
+
+    Q is the tokens per forward pass (:func:`rmm.engine.stream_chunk`). Masks: [Q, S] shared by all
+    layers and heads for position rules, [L, H, Q, S] for score-based
+    policies; the blocked mask (its complement) exists when attention is recorded or sinks re-rotated.
+    Recording also keeps the chunk's attention [L, H, C, S] fp32 and materialises one layer's logits,
+    masked logits and probabilities [n_heads, C, S] fp32 (three at once).
+    """
+    retained, chunk = memory_slots(policy, n_tokens, record)
+    slots = retained + chunk
+    layers_heads = arch["num_hidden_layers"] * arch["num_key_value_heads"]
+    mask = chunk * slots * BOOL * (1 if policy.per_query else layers_heads)
+    total = mask * (2 if record or sinks else 1)
+    if record:
+        total += layers_heads * chunk * slots * F32
+        total += 3 * arch["num_attention_heads"] * chunk * slots * F32
+    return total
+
+
+def activation_bytes(arch: dict[str, Any], chunk: int, dtype: torch.dtype) -> int:
+    """An estimate of one chunk's forward pass: hidden states, q/k/v, the MLP, and the logits.
+
+    Per token: 4 hidden vectors, q/k/v, 3 MLP intermediates in ``dtype``; the logits in ``dtype`` plus
+    their fp32 copy and log-softmax (the engine scores in fp32).
+    """
+    element = torch.empty(0, dtype=dtype).element_size()
+    qkv = (arch["num_attention_heads"] + 2 * arch["num_key_value_heads"]) * arch["head_dim"]
+    per_token = (4 * arch["hidden_size"] + qkv + 3 * arch["intermediate_size"]) * element
+    per_token += arch["vocab_size"] * (element + 2 * F32)
+    return chunk * per_token
+
+
+def reference_context(cfg: DictConfig, arch: dict[str, Any], n_tokens: int) -> int:
+    """The oracle's reference pass window, as the runner chooses it."""
+    model_context = arch["max_position_embeddings"]
+    if cfg.oracle.context is None:
+        if n_tokens > model_context:
+            raise ValueError(
+                f"the oracle's reference pass cannot cover a {n_tokens}-token stream with full attention "
+                f"(model context {model_context}); set dataset.max_tokens<={model_context} or oracle.context"
+            )
+        return n_tokens
+    return int(cfg.oracle.context)
+
+
+def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
+    """The memory plan of the run ``cfg`` describes (``chunk`` overrides ``cfg.chunk``)."""
+    n_tokens = cfg.dataset.max_tokens
+    if n_tokens is None:
+        raise ValueError("the plan needs the stream length: set dataset.max_tokens=<tokens per document>")
+    arch = model_architecture(cfg.model)
+    dtype = resolve_dtype(cfg.dtype, "cuda")
+    policy = make_policy(cfg.policy, budget=cfg.budget, chunk=chunk or cfg.chunk)
+    element = torch.empty(0, dtype=dtype).element_size()
+    record = "attention" in policy.needs and not policy.per_query
+    sinks = cfg.positions == "cache" and policy.per_query and policy.sink_positions > 0
+    kv = kv_bytes(arch, policy, n_tokens, dtype, record)
+    scratch = scratch_bytes(arch, policy, n_tokens, record, sinks)
+    activations = activation_bytes(arch, memory_slots(policy, n_tokens, record)[1], dtype)
+    reference = 0
+    if policy.needs_reference or (cfg.diagnostics.estimator and not policy.per_query):
+        context = reference_context(cfg, arch, n_tokens)
+        window = make_policy({"name": "window"}, budget=context, chunk=min(REFERENCE_CHUNK, context))
+        reference = (
+            kv_bytes(arch, window, n_tokens, dtype, True)
+            + scratch_bytes(arch, window, n_tokens, True, False)
+            + activation_bytes(arch, min(window.chunk, n_tokens), dtype)
+        )
+    weights = parameter_count(arch) * element
+    total = weights + max(kv + scratch + activations, reference)
+    return Plan(weights, kv, scratch, activations, reference, total)
+
+
+def largest_chunk(cfg: DictConfig, gpu_bytes: int) -> int | None:
+    """The largest valid chunk C whose plan fits ``gpu_bytes`` (None if not even C = 1 fits)."""
+
+    def fits(chunk: int) -> bool:
+        try:
+            return plan(cfg, chunk=chunk).total_bytes <= gpu_bytes
+        except ValueError:  # too large for the policy (chunk > budget, rmm's lag >= budget - chunk + 1)
+            return False
+
+    if not fits(1):
+        return None
+    low, high = 1, cfg.dataset.max_tokens
+    while low < high:  # the plan grows with C, and validity is lost for good above some C
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:8.2f} GiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("overrides", nargs="*", help="run.py overrides, e.g. model=llama3_8b budget=4096")
+    parser.add_argument(
+        "--gpu-memory", type=float, help="GPU memory in GiB: report the largest chunk that fits"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    cfg = compose_config(args.overrides)
+    result = asdict(plan(cfg))
+    if args.gpu_memory:
+        result["gpu_memory_bytes"] = int(args.gpu_memory * 2**30)
+        result["largest_chunk"] = largest_chunk(cfg, result["gpu_memory_bytes"])
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    dtype = str(resolve_dtype(cfg.dtype, "cuda")).removeprefix("torch.")
+    print(
+        f"{cfg.model.name} ({dtype}), policy {cfg.policy.name}, B={cfg.budget}, C={cfg.chunk}, "
+        f"positions={cfg.positions}, {cfg.dataset.max_tokens}-token streams"
+    )
+    rows = [
+        ("weights", "weights_bytes"),
+        ("KV slots", "kv_bytes"),
+        ("attention scratch", "scratch_bytes"),
+        ("activations (one chunk)", "activation_bytes"),
+        ("reference pass", "reference_pass_bytes"),
+        ("total", "total_bytes"),
+    ]
+    for label, key in rows:
+        print(f"  {label:24s} {gib(result[key])}")
+    if args.gpu_memory:
+        fits = result["largest_chunk"]
+        print(
+            f"  largest chunk within {args.gpu_memory:g} GiB: "
+            + (f"C={fits}" if fits else "none (even C=1 does not fit)")
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

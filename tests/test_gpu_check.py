@@ -1,0 +1,49 @@
+"""experiments/gpu_check.py end to end on the CPU (--small), and its dependency promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TINY
+
+from experiments import gpu_check
+from rmm.policies import POLICIES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_small_check_runs_end_to_end(tmp_path: Path):
+    out = tmp_path / "gpu" / "check.json"
+    summary = gpu_check.main(["--device", "cpu", "--small", "--threads", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(summary))
+    sections = summary["sections"]
+    assert not [name for name, section in sections.items() if "error" in section], sections
+    fp32, bf16 = sections["matrix"]["float32"], sections["matrix"]["bfloat16"]
+    assert fp32["agrees"] and fp32["disagreeing"] == []
+    assert fp32["identical_sets_frac"] == 1.0 and fp32["max_token_nll_diff"] <= gpu_check.FP32_NLL_ATOL
+    assert set(bf16["identical_sets_frac_by_policy"]) == set(POLICIES)
+    assert 0.0 <= bf16["identical_sets_frac"] <= 1.0
+    speed = sections["speed"]
+    for key in ("window/original", "streaming_llm/cache", "h2o/original", "rmm/original"):
+        assert speed["tokens_per_s"][key] > 0
+        assert key in speed["peak_memory_bytes"][str(speed["tokens"])]
+    assert {"plain_forward_128", "token_loop_64"} <= set(speed["tokens_per_s"])
+
+
+def test_matrix_mirrors_the_test_suite():
+    assert gpu_check.TINY == TINY
+    assert {name for name, _ in gpu_check.CASES} == set(POLICIES)
+
+
+def test_needs_only_its_promised_dependencies():
+    """Importing the check pulls in none of Hydra, OmegaConf, W&B, datasets or gguf."""
+    code = (
+        "import sys, experiments.gpu_check; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'hydra', 'omegaconf', 'wandb', 'datasets', 'gguf', 'submitit'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

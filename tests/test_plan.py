@@ -1,0 +1,133 @@
+"""The memory planner's figures against the tensors the engine actually allocates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from experiments import plan as planner
+from rmm.engine import StreamingEngine, stream_chunk
+from rmm.policies import make_policy
+
+N_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    model = tiny_model("llama")
+    path = tmp_path_factory.mktemp("tiny")
+    model.config.save_pretrained(path)  # the planner reads config.json only
+    return path, model
+
+
+def compose(path: Path, *overrides: str):
+    return planner.compose_config(
+        ["model=local", f"model.path={path}", "dtype=float32", f"dataset.max_tokens={N_TOKENS}", *overrides]
+    )
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def allocated(model, policy, positions: str = "original", record: bool | None = None) -> tuple[int, int]:
+    """(KV bytes, scratch bytes) the engine allocates for the first chunk of an N_TOKENS stream."""
+    engine = StreamingEngine(model, policy, positions=positions)
+    record = ("attention" in policy.needs and not policy.per_query) if record is None else record
+    memory = engine.new_memory(N_TOKENS, record_attention=record)
+    logits_shapes = []
+    if record:
+        store = memory.store_attention
+        memory.store_attention = lambda layer, probs: (logits_shapes.append(probs.shape), store(layer, probs))
+    query_pos = torch.arange(min(stream_chunk(policy, record), N_TOKENS))
+    position_ids = memory.begin_chunk(query_pos)
+    model(input_ids=query_pos[None], position_ids=position_ids[None], kv_memory=memory, use_cache=False)
+    kv = nbytes(memory.keys, memory.values, memory.key_pos, *memory.state.values())
+    scratch = nbytes(memory._allowed, memory._blocked, memory.attn)
+    if logits_shapes:  # one layer's fp32 logits, masked logits and probabilities [n_heads, Q, S]
+        kv_heads, queries, slots = logits_shapes[0]
+        scratch += 3 * model.config.num_attention_heads * queries * slots * 4
+    return kv, scratch
+
+
+@pytest.mark.parametrize(
+    ("overrides", "policy_cfg", "budget", "chunk", "positions"),
+    [
+        (["policy=window", "budget=16", "chunk=8"], {"name": "window"}, 16, 8, "original"),
+        (
+            ["policy=streaming_llm", "budget=16", "chunk=8", "positions=cache"],
+            {"name": "streaming_llm"},
+            16,
+            8,
+            "cache",
+        ),
+        (["policy=full", "chunk=8"], {"name": "full"}, None, 8, "original"),
+        (["policy=h2o", "budget=16", "chunk=4"], {"name": "h2o"}, 16, 4, "original"),
+        (["policy=rmm", "budget=16", "chunk=4", "lag=8"], {"name": "rmm", "lag": 8}, 16, 4, "original"),
+        (["policy=tova", "budget=16", "chunk=4", "positions=cache"], {"name": "tova"}, 16, 4, "cache"),
+    ],
+    ids=["window", "streaming_llm-cache", "full", "h2o", "rmm", "tova-cache"],
+)
+def test_kv_and_scratch_match_allocations(saved, overrides, policy_cfg, budget, chunk, positions):
+    path, model = saved
+    result = planner.plan(compose(path, *overrides))
+    kv, scratch = allocated(model, make_policy(policy_cfg, budget, chunk), positions)
+    assert result.kv_bytes == kv
+    assert result.scratch_bytes == scratch
+    assert result.weights_bytes == nbytes(*model.parameters())
+    assert result.reference_pass_bytes == 0
+    expected_total = result.weights_bytes + result.kv_bytes + result.scratch_bytes + result.activation_bytes
+    assert result.total_bytes == expected_total
+
+
+def test_reference_pass_matches_the_oracle_window(saved):
+    """The oracle's reference pass: a window of the whole stream, recording attention, chunk 256."""
+    path, model = saved
+    result = planner.plan(compose(path, "policy=oracle", "budget=16", "chunk=4"))
+    window = make_policy({"name": "window"}, budget=N_TOKENS, chunk=min(256, N_TOKENS))
+    kv, scratch = allocated(model, window, record=True)
+    activations = planner.activation_bytes(
+        planner.model_architecture(compose(path).model), N_TOKENS, torch.float32
+    )
+    assert result.reference_pass_bytes == kv + scratch + activations
+
+
+def test_largest_chunk_is_the_boundary(saved):
+    path, _ = saved
+    cfg = compose(path, "policy=h2o", "budget=32", "chunk=4")
+    gpu = planner.plan(cfg, chunk=10).total_bytes
+    assert planner.largest_chunk(cfg, gpu) == 10
+    assert planner.largest_chunk(cfg, 10**15) == 32  # chunk <= budget
+    assert planner.largest_chunk(cfg, 1000) is None
+
+
+def test_cli_json(saved, capsys: pytest.CaptureFixture[str]):
+    path, _ = saved
+    planner.main(
+        ["model=local", f"model.path={path}", f"dataset.max_tokens={N_TOKENS}", "--json", "--gpu-memory", "1"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    for key in ("weights_bytes", "kv_bytes", "scratch_bytes", "reference_pass_bytes", "total_bytes"):
+        assert isinstance(out[key], int) and out[key] >= 0
+    assert out["largest_chunk"] >= 1
+
+
+def test_shipped_model_plans_offline():
+    cfg = planner.compose_config(
+        ["model=llama3_8b", "budget=4096", "chunk=256", "policy=rmm", "dataset.max_tokens=65536"]
+    )
+    result = planner.plan(cfg)
+    arch = cfg.model.architecture
+    slots = arch.num_hidden_layers * arch.num_key_value_heads * (4096 + 1)  # B - C + 1 retained + C
+    assert result.kv_bytes == slots * (2 * arch.head_dim * 2 + 8 + 4)  # bf16 K/V, int64 position, fp32 DU
+    assert 7.9e9 < result.weights_bytes / 2 < 8.1e9  # Llama-3-8B: 8.03 billion parameters
+
+
+def test_needs_a_stream_length(saved):
+    path, _ = saved
+    with pytest.raises(ValueError, match="dataset.max_tokens"):
+        planner.plan(compose(path, "dataset.max_tokens=null"))
