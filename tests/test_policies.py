@@ -17,8 +17,8 @@ from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_attention, reference_stream
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt_neox"]
-BUDGET = 12
-CHUNKS = [1, 4, 5]  # 5 leaves a partial last chunk of the 48-token streams
+BUDGET = 8
+CHUNKS = [1, 4, 5]  # 5 leaves a partial last chunk of the 24-token streams
 POSITIONS = ["original", "cache"]
 NLL_ATOL = 5e-6  # per-token NLL, fp32 engine vs reference; the measured maximum is 2.4e-6 (see README)
 CASES = [
@@ -31,7 +31,7 @@ CASES = [
     ("rmm", {"lag": 3, "weight": "prob"}),
     ("rmm", {"lag": 3, "weight": "uniform"}),
     ("rmm", {"lag": 3, "after_commit": "freeze"}),
-    ("rmm", {"lag": 5, "weight": "prob", "after_commit": "freeze"}),
+    ("rmm", {"lag": 4, "weight": "prob", "after_commit": "freeze"}),
     ("rmm", {"lag": 0, "weight": "uniform", "after_commit": "freeze"}),
     ("tova", {}),
     ("random", {}),
@@ -105,8 +105,19 @@ def check_against_reference(model, tokens, arch, name, params, chunk, positions,
     return sets
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize(("name", "params"), CASES, ids=CASE_IDS)
+def matrix():
+    """Every case on every architecture: each policy's first case everywhere, its variants on Llama
+    only in the fast loop (``-m "not slow"``) and on every architecture in the slow suite."""
+    seen = set()
+    for arch in ARCHS:
+        for (name, params), case_id in zip(CASES, CASE_IDS, strict=True):
+            variant = (arch, name) in seen
+            seen.add((arch, name))
+            slow = variant and arch != "llama"
+            yield pytest.param(arch, name, params, id=f"{arch}-{case_id}", marks=[pytest.mark.slow] * slow)
+
+
+@pytest.mark.parametrize(("arch", "name", "params"), matrix())
 def test_engine_matches_reference(tiny_models, streams, arch, name, params):
     for chunk, positions in itertools.product(CHUNKS, POSITIONS):
         if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
@@ -149,7 +160,7 @@ def test_streams_are_partly_predicted(tiny_models, streams):
 def test_rmm_weights_choose_differently(arch):
     """correct, prob and uniform give pairwise different retained sets on every architecture."""
     weights = ("correct", "prob", "uniform")
-    logs = {w: reference(arch, "rmm", (("lag", 3), ("weight", w)), 4, "original")[2] for w in weights}
+    logs = {w: reference(arch, "rmm", (("lag", 3), ("weight", w)), 1, "original")[2] for w in weights}
     for a, b in itertools.combinations(logs, 2):
         assert logs[a] != logs[b], f"{arch}: weight={a} and weight={b} keep the same sets"
 
@@ -199,7 +210,7 @@ def test_budget_and_permanent_eviction(tiny_models, streams, name, params, chunk
 
 @pytest.mark.parametrize("chunk", [1, 4])
 def test_rmm_provisional_buffer_never_evicted(tiny_models, streams, chunk):
-    lag = 5
+    lag = 4
 
     def hook(memory, now, evicted):
         recent = torch.arange(max(0, now - lag), now)
@@ -238,11 +249,12 @@ def test_oracle_evicts_the_furthest_requests(tiny_models, streams, arch):
     assert checked
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-@pytest.mark.parametrize("variant", ["next_use", "future_mass"])
+@pytest.mark.parametrize(
+    ("arch", "variant"), [("llama", "future_mass"), ("gpt_neox", "next_use"), ("gpt_neox", "future_mass")]
+)
 def test_windowed_oracle_context_matches_reference(tiny_models, streams, arch, variant):
     """oracle.context=W: the reference pass attends to the W previous positions only."""
-    model, tokens, context = tiny_models[arch], streams[arch], 10
+    model, tokens, context = tiny_models[arch], streams[arch], 4
     spec = ReferenceSpec(policy="oracle", budget=BUDGET, chunk=4, variant=variant, context=context)
     ref_nll, _ = reference_stream(model, tokens, spec)
     windowed, sets = retained_sets(model, tokens, "oracle", {"variant": variant}, chunk=4, context=context)
