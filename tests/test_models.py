@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 import uuid
 from pathlib import Path
 
@@ -162,10 +161,8 @@ def test_unknown_source() -> None:
 def test_hub_offline_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub_id = f"rmm-tests/not-cached-{uuid.uuid4().hex[:8]}"
-    start = time.perf_counter()
     with pytest.raises(ModelNotAvailableError) as info:
         load_model({"source": "hub", "hub_id": hub_id, "revision": None, "path": None}, CPU, torch.float32)
-    assert time.perf_counter() - start < 10
     message = str(info.value)
     assert f"huggingface-cli download {hub_id}" in message
     assert f"hf download {hub_id}" in message

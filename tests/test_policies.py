@@ -106,22 +106,30 @@ def check_against_reference(model, tokens, arch, name, params, chunk, positions,
 
 
 def matrix():
-    """Every case on every architecture: each policy's first case everywhere, its variants on Llama
-    only in the fast loop (``-m "not slow"``) and on every architecture in the slow suite."""
+    """Every case on every architecture at every chunk. The fast loop (``-m "not slow"``) runs all of
+    them on Llama, and each policy's first case at chunks 1 and 5 on the other architectures."""
     seen = set()
     for arch in ARCHS:
         for (name, params), case_id in zip(CASES, CASE_IDS, strict=True):
             variant = (arch, name) in seen
             seen.add((arch, name))
-            slow = variant and arch != "llama"
-            yield pytest.param(arch, name, params, id=f"{arch}-{case_id}", marks=[pytest.mark.slow] * slow)
+            for chunk in CHUNKS:
+                if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
+                    continue
+                slow = arch != "llama" and (variant or chunk == 4)
+                yield pytest.param(
+                    arch,
+                    name,
+                    params,
+                    chunk,
+                    id=f"{arch}-{case_id}-C{chunk}",
+                    marks=[pytest.mark.slow] * slow,
+                )
 
 
-@pytest.mark.parametrize(("arch", "name", "params"), matrix())
-def test_engine_matches_reference(tiny_models, streams, arch, name, params):
-    for chunk, positions in itertools.product(CHUNKS, POSITIONS):
-        if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
-            continue
+@pytest.mark.parametrize(("arch", "name", "params", "chunk"), matrix())
+def test_engine_matches_reference(tiny_models, streams, arch, name, params, chunk):
+    for positions in POSITIONS:
         check_against_reference(tiny_models[arch], streams[arch], arch, name, params, chunk, positions)
 
 
@@ -131,7 +139,9 @@ def test_engine_matches_reference(tiny_models, streams, arch, name, params):
 @pytest.mark.parametrize(
     ("name", "params"),
     [
+        ("full", {}),
         ("window", {}),
+        ("streaming_llm", {"sinks": 2}),
         ("h2o", {}),
         ("rmm", {"lag": 2}),
         ("tova", {}),
