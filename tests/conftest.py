@@ -46,6 +46,21 @@ STREAM_LENGTH = 24
 FOLLOW_ARGMAX = 0.5  # a sampled stream takes the model's own argmax with this probability
 
 
+# Largest differences seen by the exactness tests in this session, printed at the end of the run
+# (the README's measured tolerances come from here): name -> (largest value, number of comparisons).
+MEASURED: dict[str, tuple[float, int]] = {}
+
+
+def record_max(name: str, value: float) -> None:
+    largest, count = MEASURED.get(name, (0.0, 0))
+    MEASURED[name] = (max(largest, value), count + 1)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for name, (largest, count) in sorted(MEASURED.items()):
+        terminalreporter.write_line(f"measured: {name}: largest {largest:.2e} over {count} streams")
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
     """A small random causal LM whose attention is peaked enough for eviction to matter."""
     config_cls, model_cls = ARCHITECTURES[arch]

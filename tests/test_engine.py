@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import record_max
 from omegaconf import OmegaConf
 
 from rmm.engine import StreamingEngine
@@ -31,6 +32,7 @@ def test_full_equals_plain_forward(tiny_models, streams, arch, chunk, positions)
     expected = forward_nll(model, tokens)
     policy = make_policy({"name": "full"}, None, chunk)
     result = StreamingEngine(model, policy, positions=positions).stream(tokens)
+    record_max("per-token |NLL full - plain forward|, fp32", float((result.nll - expected).abs().max()))
     torch.testing.assert_close(result.nll, expected, rtol=0, atol=NLL_ATOL)
     model.set_attn_implementation("sdpa")
     assert torch.equal(result.correct, model(tokens[None]).logits[0, :-1].argmax(-1) == tokens[1:])
@@ -49,6 +51,9 @@ def test_full_equals_plain_forward_smollm2():
     tokens = load_documents(data, tokenizer)[0][0].tokens
     expected = forward_nll(model, tokens)
     result = StreamingEngine(model, make_policy({"name": "full"}, None, 64)).stream(tokens)
+    record_max(
+        "per-token |NLL full - plain forward|, SmolLM2 fp32", float((result.nll - expected).abs().max())
+    )
     torch.testing.assert_close(result.nll, expected, rtol=0, atol=SMOLLM2_NLL_ATOL)
 
 

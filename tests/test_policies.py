@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import record_max
 
 from rmm.engine import StreamingEngine, record_future
 from rmm.policies import make_policy
@@ -98,6 +99,7 @@ def check_against_reference(model, tokens, arch, name, params, chunk, positions,
     )
     result, sets = retained_sets(model, tokens, name, params, chunk=chunk, positions=positions, scope=scope)
     where = f"{arch} {name} {params} chunk={chunk} positions={positions} scope={scope}"
+    record_max("per-token |NLL engine - reference|, fp32", float((result.nll - ref_nll).abs().max()))
     torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=NLL_ATOL, msg=where)
     assert torch.equal(result.correct, ref_correct), where
     for now, engine_set in sets.items():
