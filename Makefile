@@ -34,7 +34,7 @@ lint: setup
 bench: setup
 	$(PY) experiments/bench.py
 
-# The CPU reproduction (docs/results.md): results/cpu/runs, runs.csv, main_table.md, figures/. Resumable.
+# The CPU reproduction (docs/results.md): results/cpu/runs, runs.csv, main_table.md, comparison.md, figures/.
 reproduce-cpu: setup
 	PY=$(PY) bash experiments/reproduce_cpu.sh $(ARGS)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import sys
@@ -18,12 +19,14 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script without an installed package
 
+from rmm.bootstrap import BLOCK, N_RESAMPLES, nll_interval
 from rmm.storage import (
     CONFIG_FILE,
     METRICS_FILE,
     TOKENS_FILE,
     atomic_write_text,
     read_metrics,
+    read_tokens,
     run_is_complete,
 )
 
@@ -78,11 +81,14 @@ def _candidate_dirs(root: Path) -> Iterator[tuple[Path, bool]]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
 
 
-def collect(paths: Iterable[str | Path]) -> pd.DataFrame:
+def collect(
+    paths: Iterable[str | Path], intervals: bool = True, block: int = BLOCK, n_resamples: int = N_RESAMPLES
+) -> pd.DataFrame:
     """One row per complete run found under ``paths``: every metric (nested dicts flattened) and ``run_dir``.
 
     Incomplete directories are skipped and reported in one warning. Rows are sorted by the swept
-    parameters and then ``run_dir`` (an absolute path).
+    parameters and then ``run_dir`` (an absolute path). With ``intervals``, ``ppl_ci_low`` and
+    ``ppl_ci_high`` follow ``ppl`` (see :func:`with_ppl_intervals`).
     """
     rows: dict[Path, dict[str, Any]] = {}
     incomplete: set[Path] = set()
@@ -112,7 +118,28 @@ def collect(paths: Iterable[str | Path]) -> pd.DataFrame:
     rest = [c for c in frame.columns if c not in leading and c != "run_dir"]
     frame = frame[[*leading, *rest, "run_dir"]]
     keys = [c for c in SORT_COLUMNS if c in frame.columns]
-    return frame.sort_values(keys, kind="stable", na_position="last").reset_index(drop=True)
+    frame = frame.sort_values(keys, kind="stable", na_position="last").reset_index(drop=True)
+    return with_ppl_intervals(frame, block=block, n_resamples=n_resamples) if intervals else frame
+
+
+def with_ppl_intervals(
+    frame: pd.DataFrame, block: int = BLOCK, n_resamples: int = N_RESAMPLES
+) -> pd.DataFrame:
+    """Add ``ppl_ci_low`` / ``ppl_ci_high`` after ``ppl``: the 95 % interval of each run's perplexity.
+
+    exp of :func:`rmm.bootstrap.nll_interval` over the run's token file (documents and ``block``-token
+    blocks within them resampled, seed 0): the same code as ``experiments/compare.py``.
+    """
+    bounds = []
+    for run_dir in frame["run_dir"]:
+        interval = nll_interval(read_tokens(run_dir), block=block, n_resamples=n_resamples)
+        bounds.append((math.exp(interval.low), math.exp(interval.high)))
+    low, high = zip(*bounds, strict=True) if bounds else ((), ())
+    frame = frame.drop(columns=["ppl_ci_low", "ppl_ci_high"], errors="ignore")
+    at = frame.columns.get_loc("ppl") + 1 if "ppl" in frame.columns else len(frame.columns) - 1
+    frame.insert(at, "ppl_ci_low", list(low))
+    frame.insert(at + 1, "ppl_ci_high", list(high))
+    return frame
 
 
 def write_csv(frame: pd.DataFrame, out: str | Path) -> None:
@@ -172,11 +199,12 @@ def _markdown(table: pd.DataFrame) -> str:
     return "\n".join([header, rule, *body])
 
 
-def main_table(frame: pd.DataFrame, digits: int = 2) -> str:
+def main_table(frame: pd.DataFrame, digits: int = 2, intervals: bool = False) -> str:
     """Markdown table of perplexity (mean over seeds): policy configurations (rows) x budgets (columns).
 
     ``full`` does not depend on the budget: its own first row repeats its perplexity in every column.
-    One table per (model, dataset), each under a heading when there are several.
+    One table per (model, dataset), each under a heading when there are several. With ``intervals`` a
+    cell of one run reads ``ppl [ppl_ci_low, ppl_ci_high]`` (a cell averaging several seeds shows the mean).
     """
     if frame.empty or "ppl" not in frame.columns:
         return "_no runs_\n"
@@ -189,23 +217,29 @@ def main_table(frame: pd.DataFrame, digits: int = 2) -> str:
         budgets = sorted(evicting["budget"].dropna().unique()) if not evicting.empty else []
         columns = [f"B={_format_value(b)}" for b in budgets]
         rows = []
-        full = labelled.loc[labelled["policy"] == "full", "ppl"]
+        full = labelled[labelled["policy"] == "full"]
         if not full.empty:
-            rows.append(["full"] + [f"{full.mean():.{digits}f}"] * max(len(budgets), 1))
-        pivot = evicting.pivot_table(index="label", columns="budget", values="ppl", aggfunc="mean")
+            rows.append(["full"] + [_ppl_cell(full, digits, intervals)] * max(len(budgets), 1))
         policy_of = evicting.groupby("label")["policy"].first()
-        for label in sorted(pivot.index, key=lambda lab: (policy_sort_key(policy_of[lab]), _natural(lab))):
-            rows.append(
-                [label]
-                + [
-                    "–" if pd.isna(pivot.loc[label, b]) else f"{pivot.loc[label, b]:.{digits}f}"
-                    for b in budgets
-                ]
-            )
+        for label in sorted(
+            policy_of.index, key=lambda lab: (policy_sort_key(policy_of[lab]), _natural(lab))
+        ):
+            runs = evicting[evicting["label"] == label]
+            rows.append([label] + [_ppl_cell(runs[runs["budget"] == b], digits, intervals) for b in budgets])
         table = pd.DataFrame(rows, columns=["policy", *(columns or ["ppl"])])
         heading = " / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,)))
         sections.append((f"### {heading}\n\n" if len(groups) > 1 else "") + _markdown(table))
     return "\n\n".join(sections) + "\n"
+
+
+def _ppl_cell(runs: pd.DataFrame, digits: int, intervals: bool) -> str:
+    """Mean perplexity of ``runs`` ("–" if none); with ``intervals`` and a single run, its interval too."""
+    if runs.empty:
+        return "–"
+    cell = f"{runs['ppl'].mean():.{digits}f}"
+    if intervals and len(runs) == 1 and {"ppl_ci_low", "ppl_ci_high"} <= set(runs.columns):
+        cell += f" [{runs['ppl_ci_low'].iloc[0]:.{digits}f}, {runs['ppl_ci_high'].iloc[0]:.{digits}f}]"
+    return cell
 
 
 def _natural(label: str) -> list:
@@ -234,9 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="CSV to write (one row per complete run)")
     parser.add_argument("--table", type=Path, help="markdown file for the main perplexity table")
+    parser.add_argument(
+        "--intervals", action="store_true", help="show each run's 95 %% interval in the table: ppl [lo, hi]"
+    )
+    parser.add_argument(
+        "--block", type=int, default=BLOCK, help=f"bootstrap block length of the intervals, tokens ({BLOCK})"
+    )
+    parser.add_argument(
+        "--n-resamples", type=int, default=N_RESAMPLES, help=f"bootstrap resamples ({N_RESAMPLES})"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    frame = collect(args.roots)
+    frame = collect(args.roots, block=args.block, n_resamples=args.n_resamples)
     print(summary(frame))
     if frame.empty:
         return 1
@@ -244,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(frame, args.out)
         print(f"wrote {args.out}")
     if args.table:
-        atomic_write_text(args.table, main_table(frame))
+        atomic_write_text(args.table, main_table(frame, intervals=args.intervals))
         print(f"wrote {args.table}")
     return 0
 

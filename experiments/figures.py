@@ -27,6 +27,7 @@ from matplotlib.ticker import NullLocator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script without an installed package
 
 from experiments.collect import load_runs, policy_sort_key, with_labels
+from experiments.compare import compare_runs
 from rmm.storage import read_tokens
 from rmm.tracking import position_perplexity
 
@@ -157,6 +158,54 @@ def _by_budget(labelled: pd.DataFrame, value: str) -> pd.DataFrame:
     return labelled.groupby(["label", "budget"], as_index=False)[value].mean().sort_values("budget")
 
 
+def _intervals(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per ``keys`` group: ``ppl_ci_low`` / ``ppl_ci_high`` of its run, NaN for a group of several runs
+    (intervals of single runs do not average over seeds) or without the columns."""
+    columns = ["ppl_ci_low", "ppl_ci_high"]
+    if not set(columns) <= set(runs.columns):
+        return runs[keys].drop_duplicates().assign(ppl_ci_low=np.nan, ppl_ci_high=np.nan)
+    grouped = runs.groupby(keys, as_index=False, dropna=False)
+    bounds = grouped[columns].first().merge(grouped.size(), on=keys)
+    bounds.loc[bounds["size"] != 1, columns] = np.nan
+    return bounds.drop(columns="size")
+
+
+def _band(ax: Axes, x: Any, low: Any, high: Any, color: Any) -> None:
+    """A translucent band between ``low`` and ``high`` (gaps where they are NaN)."""
+    x, low, high = (np.asarray(v, float) for v in (x, low, high))
+    ax.fill_between(x, low, high, color=color, alpha=0.18, lw=0)
+
+
+def _error_bars(ax: Axes, x: Any, low: Any, high: Any, color: Any, slot: int, slots: int) -> None:
+    """Vertical bars from ``low`` to ``high``, dodged sideways by ``slot`` of ``slots`` on a log-2 x axis."""
+    x, low, high = (np.asarray(v, float) for v in (x, low, high))
+    keep = np.isfinite(low) & np.isfinite(high)
+    dodge = 2.0 ** (0.035 * (slot - (slots - 1) / 2))
+    ax.vlines(x[keep] * dodge, low[keep], high[keep], color=color, lw=1.2, alpha=0.8)
+
+
+def _paired_ppl_bounds(base_runs: pd.Series, runs: pd.Series) -> tuple[float, float]:
+    """Interval of the perplexity of the run in ``runs`` measured against the run in ``base_runs``:
+    ppl_base x the paired ppl-ratio bounds of ``experiments/compare.py`` (NaN unless one run on each side)."""
+    if len(base_runs) != 1 or len(runs) != 1:
+        return (np.nan, np.nan)
+    result = compare_runs(base_runs.iloc[0], runs.iloc[0])
+    return (result["ppl_a"] * result["ppl_ratio_ci_low"], result["ppl_a"] * result["ppl_ratio_ci_high"])
+
+
+def _legend(fig: Figure, ax: Axes, handles: list[Any] | None = None, labels: list[str] | None = None) -> None:
+    """The legend below the axes, outside them, so that it never covers data; the figure grows to hold it."""
+    if handles is None or labels is None:
+        handles, labels = ax.get_legend_handles_labels()
+    ncols = 2 if max((len(label) for label in labels), default=0) > 28 else 3
+    rows = -(-len(labels) // ncols)
+    fig.set_figheight(fig.get_figheight() + 0.17 * rows)
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=7, frameon=False)
+
+
+PER_RUN_NOTE = "bars: 95 % bootstrap interval of each run (ppl_ci_low/high)"
+
+
 def _budget_lines(frame: pd.DataFrame, rmm_weight: str | None, rmm_after_commit: str | None) -> pd.DataFrame:
     """Labelled runs of the evicting policies, rmm restricted to one weight / after_commit."""
     evicting = frame[frame["policy"] != "full"]
@@ -186,10 +235,16 @@ def ppl_vs_budget(
         return None
     fig, (ax,) = _new_figure()
     colors = _label_colors(labelled)
-    points = _by_budget(labelled, "ppl")
-    for label in _ordered_labels(labelled):
+    points = _by_budget(labelled, "ppl").merge(
+        _intervals(labelled, ["label", "budget"]), on=["label", "budget"]
+    )
+    order = _ordered_labels(labelled)
+    for slot, label in enumerate(order):
         line = points[points["label"] == label]
         ax.plot(line["budget"], line["ppl"], marker="o", color=colors[label], label=label)
+        _error_bars(
+            ax, line["budget"], line["ppl_ci_low"], line["ppl_ci_high"], colors[label], slot, len(order)
+        )
     full = _full_ppl(frame)
     if full is not None:
         ax.axhline(full, color="black", linestyle="--", linewidth=1, label="full (no eviction)")
@@ -198,10 +253,11 @@ def ppl_vs_budget(
     ax.set_ylabel("perplexity")
     ax.set_yscale("log")
     ax.set_title(
-        f"Perplexity vs budget — {_setting_title(frame)}{_rmm_note(labelled, rmm_weight, rmm_after_commit)}",
+        f"Perplexity vs budget — {_setting_title(frame)}{_rmm_note(labelled, rmm_weight, rmm_after_commit)}"
+        f"\n{PER_RUN_NOTE}",
         fontsize=10,
     )
-    ax.legend(fontsize=7)
+    _legend(fig, ax)
     return _save(fig, out_dir, name)
 
 
@@ -231,7 +287,21 @@ def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = 
     rmm = rmm[rmm["budget"] == chosen]
     line_keys = [c for c in ("policy.weight", "policy.after_commit") if c in rmm.columns]
     fig, (ax,) = _new_figure()
-    points = rmm.groupby([*line_keys, "lag"], as_index=False, dropna=False)["ppl"].mean().sort_values("lag")
+    keys = [*line_keys, "lag"]
+    points = rmm.groupby(keys, as_index=False, dropna=False)["ppl"].mean()
+    h2o_runs = frame.loc[(frame["policy"] == "h2o") & (frame["budget"] == chosen)]
+    if len(h2o_runs) == 1 and "run_dir" in frame.columns:  # paired against h2o: the reading that matters
+        run_dirs = rmm.groupby(keys, dropna=False)["run_dir"]
+        bounds = [_paired_ppl_bounds(h2o_runs["run_dir"], runs) for _, runs in run_dirs]
+        paired = (
+            run_dirs.size()
+            .reset_index()[keys]
+            .assign(ppl_ci_low=[b[0] for b in bounds], ppl_ci_high=[b[1] for b in bounds])
+        )
+        points, note = points.merge(paired, on=keys), "bands: 95 % interval paired against h2o's tokens"
+    else:
+        points, note = points.merge(_intervals(rmm, keys), on=keys), "bands: 95 % interval of each run"
+    points = points.sort_values("lag")
     show_commit = "policy.after_commit" in rmm.columns and rmm["policy.after_commit"].nunique() > 1
     groups = points.groupby(line_keys, dropna=False) if line_keys else [((), points)]
     for key, line in groups:
@@ -239,14 +309,16 @@ def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = 
         weight = values.get("policy.weight")
         commit = values.get("policy.after_commit")
         label = f"rmm weight={weight}" + (f", {commit}" if show_commit else "")
+        color = WEIGHT_COLORS.get(str(weight), "tab:red")
         ax.plot(
             line["lag"],
             line["ppl"],
             marker="o",
             label=label,
-            color=WEIGHT_COLORS.get(str(weight), "tab:red"),
+            color=color,
             linestyle=COMMIT_STYLES.get(str(commit), "-"),
         )
+        _band(ax, line["lag"], line["ppl_ci_low"], line["ppl_ci_high"], color)
     references = with_labels(frame[frame["policy"].isin(["h2o", "oracle"]) & (frame["budget"] == chosen)])
     styles = {"h2o": ":", "oracle": "-."}
     if not references.empty:
@@ -257,8 +329,10 @@ def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = 
     _log2_xaxis(ax, rmm["lag"])
     ax.set_xlabel("lag H (provisional buffer, tokens)")
     ax.set_ylabel("perplexity")
-    ax.set_title(f"rmm perplexity vs lag at B={chosen:g} — {_setting_title(frame)}", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set_title(
+        f"rmm perplexity vs lag at B={chosen:g} — {_setting_title(frame)}\n{note} (compare.py)", fontsize=10
+    )
+    _legend(fig, ax)
     return _save(fig, out_dir, name)
 
 
@@ -299,7 +373,7 @@ def cumulative_ppl(
     at_budget = with_labels(evicting[evicting["budget"] == chosen])
     best = at_budget.groupby(["policy", "label"], as_index=False)["ppl"].mean()
     best = best.loc[best.groupby("policy")["ppl"].idxmin()]
-    curves: dict[str, tuple[str, pd.DataFrame]] = {}
+    curves: dict[str, tuple[str, pd.DataFrame, pd.DataFrame]] = {}
     full_runs = frame.loc[frame["policy"] == "full", "run_dir"].tolist()
     selections = [("full", "full", full_runs)] if full_runs else []
     for row in best.itertuples(index=False):
@@ -308,29 +382,39 @@ def cumulative_ppl(
     for policy, label, runs in selections:
         tokens = _pooled_tokens(runs)
         if tokens is not None:
-            curves[label] = (policy, position_perplexity(tokens, bins=bins))
+            curves[label] = (
+                policy,
+                position_perplexity(tokens, bins=bins),
+                frame[frame["run_dir"].isin(runs)],
+            )
     if not curves:
         _note(name, "no readable token files")
         return None
     fig, (ax,) = _new_figure()
-    for label in sorted(curves, key=lambda lab: (policy_sort_key(curves[lab][0]), lab)):
-        policy, curve = curves[label]
+    ordered = sorted(curves, key=lambda lab: (policy_sort_key(curves[lab][0]), lab))
+    for i, label in enumerate(ordered):
+        policy, curve, runs = curves[label]
+        color = POLICY_COLORS.get(policy, "tab:brown")
         ax.plot(
             curve["position_bin_end"],
             curve["cum_ppl"],
-            color=POLICY_COLORS.get(policy, "tab:brown"),
+            color=color,
             linestyle="--" if policy == "full" else "-",
             label=label,
         )
+        bounds = _intervals(runs, ["policy"])
+        if len(bounds) == 1 and bounds["ppl_ci_low"].notna().all():  # the last point is the run's ppl
+            end = float(curve["position_bin_end"].iloc[-1]) * (1.0 + 0.012 * (i + 1))  # staggered
+            ax.vlines(end, bounds["ppl_ci_low"].iloc[0], bounds["ppl_ci_high"].iloc[0], color=color, lw=1.5)
     ax.set_xlabel("position in stream (tokens)")
     ax.set_ylabel("cumulative perplexity")
     ax.set_yscale("log")
     ax.set_title(
         f"Cumulative perplexity at B={chosen:g} — {_setting_title(frame)}\n"
-        "each policy in its best configuration at this budget",
+        "best configuration per policy; bars: 95 % interval of each run's ppl",
         fontsize=10,
     )
-    ax.legend(fontsize=7)
+    _legend(fig, ax)
     return _save(fig, out_dir, name)
 
 
@@ -370,7 +454,7 @@ def throughput_memory(
         _log2_xaxis(ax, labelled["budget"])
         ax.set_xlabel("KV budget B (entries per head)")
         ax.set_ylabel(ylabel)
-    axes[0].legend(fontsize=7)
+    _legend(fig, axes[0])
     fig.suptitle(
         f"Throughput and memory — {_setting_title(frame)}{_rmm_note(labelled, rmm_weight, rmm_after_commit)}",
         fontsize=10,
@@ -396,18 +480,29 @@ def measure_vs_accumulate(
     if rmm.empty or h2o.empty:
         _note(name, "needs both rmm and h2o runs")
         return None
-    h2o_best = _by_budget(h2o, "ppl").groupby("budget")["ppl"].min()
+    h2o_means = _by_budget(h2o, "ppl")
+    h2o_best = h2o_means.loc[h2o_means.groupby("budget")["ppl"].idxmin()].set_index("budget")
     gaps = rmm.groupby(["lag", "budget"])["ppl"].mean().reset_index()
-    gaps["gap"] = gaps["ppl"] - gaps["budget"].map(h2o_best)
+    gaps["gap"] = gaps["ppl"] - gaps["budget"].map(h2o_best["ppl"])
     gaps = gaps.dropna(subset=["gap"])
     if gaps.empty:
         _note(name, "rmm and h2o share no budget")
         return None
+    bounds = []
+    for lag, budget in zip(gaps["lag"], gaps["budget"], strict=True):
+        base = h2o.loc[(h2o["budget"] == budget) & (h2o["label"] == h2o_best.at[budget, "label"])]
+        runs = rmm.loc[(rmm["budget"] == budget) & (rmm["lag"] == lag)]
+        low, high = _paired_ppl_bounds(
+            base.get("run_dir", base.iloc[0:0]), runs.get("run_dir", runs.iloc[0:0])
+        )
+        bounds.append((low - base["ppl"].mean(), high - base["ppl"].mean()))
+    gaps[["gap_low", "gap_high"]] = bounds
     fig, (ax,) = _new_figure()
     lags = sorted(gaps["lag"].unique())
     for lag, color in zip(lags, _shades(POLICY_COLORS["rmm"], len(lags)), strict=True):
         line = gaps[gaps["lag"] == lag].sort_values("budget")
         ax.plot(line["budget"], line["gap"], marker="o", color=color, label=f"rmm − h2o, lag={lag:g}")
+        _band(ax, line["budget"], line["gap_low"], line["gap_high"], color)
     ax.axhline(0.0, color="black", linewidth=0.8)
     _log2_xaxis(ax, gaps["budget"])
     ax.set_xlabel("KV budget B (entries per head)")
@@ -427,10 +522,11 @@ def measure_vs_accumulate(
         twin.set_ylabel("correct_frac")
         more_handles, more_labels = twin.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
-    ax.legend(handles, labels, fontsize=7)
+    _legend(fig, ax, handles, labels)
     ax.set_title(
         f"Measure vs accumulate: rmm − best h2o — {_setting_title(frame)}"
-        f"{_rmm_note(rmm, rmm_weight, rmm_after_commit)}",
+        f"{_rmm_note(rmm, rmm_weight, rmm_after_commit)}\n"
+        "bands: 95 % interval paired against h2o's tokens (compare.py)",
         fontsize=10,
     )
     return _save(fig, out_dir, name)

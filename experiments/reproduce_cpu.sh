@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # The CPU reproduction (docs/results.md): every reproduce_cpu_* sweep into results/cpu/runs, then the
-# collected table and the figures. Resumable: runs whose directory is complete are skipped (resume=true).
+# collected table with intervals, the paired comparisons (comparison.md) and the figures. Resumable: runs
+# whose directory is complete are skipped (resume=true).
 #   make reproduce-cpu                    # or: bash experiments/reproduce_cpu.sh [extra Hydra overrides]
-# PY selects the interpreter (default .venv/bin/python); REPRODUCE_SWEEPS a subset of the sweeps (names
-# without the reproduce_cpu_ prefix, space-separated; default all); extra arguments go to every sweep.
+# PY selects the interpreter (default .venv/bin/python); OUT the results folder (default results/cpu);
+# REPRODUCE_SWEEPS a subset of the sweeps (names without the reproduce_cpu_ prefix, space-separated;
+# default all); extra arguments go to every sweep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-OUT=results/cpu
+OUT=${OUT:-results/cpu}  # another folder for other settings, e.g. OUT=results/cpu8 ... dataset.n_docs=8
 # Order: the cheap references first, the budget-512 rmm lag grid last (the first thing to drop if too slow).
 read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512}"
 
 for sweep in "${SWEEPS[@]}"; do
     start=$(date +%s)
     echo "== reproduce_cpu_${sweep} ($(date -u +%H:%M:%S) UTC)"
-    "$PY" run.py -m "experiment=reproduce_cpu_${sweep}" "$@"
+    "$PY" run.py -m "experiment=reproduce_cpu_${sweep}" "hydra.sweep.dir=$OUT/runs" "$@"
     echo "== reproduce_cpu_${sweep}: $(($(date +%s) - start)) s"
 done
 rm -f "$OUT/runs/multirun.yaml"  # Hydra's record of the last sweep only; each run keeps its own config.yaml
 
-"$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md"
+# runs.csv with each run's 95 % perplexity interval (ppl_ci_low/high), the table as "ppl [lo, hi]".
+"$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md" --intervals
+# Paired comparisons with intervals and per-document wins (docs/results.md quotes them): every run against
+# h2o at the same budget, rmm's commit weights against uniform, freeze against accumulate.
+"$PY" experiments/compare.py "$OUT/runs.csv" --baseline policy=h2o --baseline policy.weight=uniform \
+    --baseline policy.after_commit=accumulate --table "$OUT/comparison.md" >/dev/null
 # Budget 128 for ppl_vs_lag and cumulative_ppl: the budget with the weight and after_commit ablations.
 "$PY" experiments/figures.py "$OUT/runs.csv" --out "$OUT/figures" --budget 128
 # window and random (ppl up to 292) squeeze the other policies into a thin band on a linear axis:

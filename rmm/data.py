@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rmm.reuse import ReuseSpec, Vocabulary, generate
+
 HUB_TIMEOUT_S = 3.0
 TEXT_SUFFIXES = (".txt", ".md")
 DATA_FORMATS = {  # file suffix -> `datasets` packaged builder
@@ -61,11 +63,15 @@ class DatasetUnavailableError(RuntimeError):
 
 @dataclass
 class Document:
-    """One evaluation stream: ``tokens`` is int64 ``[n]``, BOS first iff the tokenizer adds one."""
+    """One evaluation stream: ``tokens`` is int64 ``[n]``, BOS first iff the tokenizer adds one.
+
+    ``segments`` is ``[n]`` segment labels (``rmm.reuse.SEGMENTS``) for generated streams, None for text.
+    """
 
     doc_id: str
     tokens: torch.Tensor
     meta: dict
+    segments: np.ndarray | None = None
 
 
 @dataclass
@@ -103,7 +109,9 @@ def load_documents(
     fewer than ``min_tokens`` tokens. The first ``n_docs`` kept documents are returned; with
     ``stream=concat`` they are joined into one document ``"concat"``, truncated to ``max_tokens``.
     """
-    opts = _options(cfg)
+    opts = check_dataset(cfg)
+    if opts["source"] == "reuse":
+        return _reuse_documents(opts, tokenizer, cache_dir)
     cache = _TokenCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), tokenizer)
     n_docs, max_tokens, concat = opts["n_docs"], opts["max_tokens"], opts["stream"] == "concat"
     kept: list[Document] = []
@@ -129,6 +137,82 @@ def default_cache_dir() -> Path:
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "rmm") / "tokens"
 
 
+def check_dataset(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate the ``dataset`` config node without a tokenizer or model; returns the plain options.
+
+    Raises ValueError naming the key and the fix for bad values, unknown sources, and (``reuse``) bad
+    generator parameters, an unknown filler source, or streams that cannot fit ``max_tokens``.
+    """
+    opts = _options(cfg)
+    if opts["source"] == "reuse":
+        spec = ReuseSpec.from_config(opts)
+        filler = _filler_options(opts)
+        if filler["source"] == "reuse":
+            raise ValueError("dataset.filler cannot itself be reuse: use a text source, e.g. shakespeare")
+        if opts["max_tokens"] is not None and spec.min_length() > opts["max_tokens"]:
+            raise ValueError(_too_long(spec.min_length(), opts["max_tokens"], "at least "))
+    return opts
+
+
+def _too_long(length: int, max_tokens: int, qualifier: str = "") -> str:
+    return (
+        f"dataset=reuse: a stream with these records and gaps is {qualifier}{length} tokens, more than "
+        f"dataset.max_tokens={max_tokens}; raise dataset.max_tokens, or lower dataset.recall_gap, "
+        "dataset.echo_gap, dataset.n_records, dataset.n_decoys or dataset.lead_tokens"
+    )
+
+
+def _filler_options(opts: Mapping[str, Any]) -> dict[str, Any]:
+    """The filler source's options: ``dataset.filler`` (default shakespeare), whole documents."""
+    filler = dict(opts.get("filler") or {"name": "shakespeare"})
+    if "name" not in filler and "source" not in filler:
+        raise ValueError("dataset.filler needs a name, e.g. dataset.filler.name=shakespeare")
+    filler.setdefault("name", filler.get("source"))
+    filler = {**filler, "max_tokens": None, "stream": "per_doc"}
+    filler["n_docs"] = filler.get("n_docs") or opts["n_docs"]
+    try:
+        return _options(filler)
+    except ValueError as exc:
+        raise ValueError(f"dataset.filler: {exc}") from None
+
+
+def _reuse_documents(
+    opts: dict[str, Any], tokenizer: Any, cache_dir: str | Path | None
+) -> tuple[list[Document], DatasetStats]:
+    """Generated controlled-reuse streams (rmm/reuse.py), one per document, filler from another source."""
+    if opts["n_docs"] is None:
+        raise ValueError("dataset=reuse needs dataset.n_docs (the number of generated streams)")
+    spec = ReuseSpec.from_config(opts)
+    vocab = Vocabulary(tokenizer)
+    fillers, _ = load_documents(_filler_options(opts), tokenizer, cache_dir)
+    if not fillers:
+        raise DatasetUnavailableError(f"dataset.filler={opts['filler']} gave no document")
+    docs = []
+    for index in range(opts["n_docs"]):
+
+        def filler(n: int, first: int = index) -> np.ndarray:
+            parts, have, k = [], 0, first
+            while have < n:
+                part = fillers[k % len(fillers)].tokens.numpy()
+                parts.append(part)
+                have, k = have + len(part), k + 1
+            return np.concatenate(parts)[:n]
+
+        stream = generate(spec, vocab, filler, index)
+        if opts["max_tokens"] is not None and len(stream.tokens) > opts["max_tokens"]:
+            raise ValueError(_too_long(len(stream.tokens), opts["max_tokens"]))
+        meta = {
+            "filler_doc": fillers[index % len(fillers)].doc_id,
+            "period": stream.period,
+            "event_tokens": stream.event_tokens,
+            "records": stream.records,
+        }
+        docs.append(Document(f"reuse-{index:04d}", torch.from_numpy(stream.tokens), meta, stream.segments))
+    if opts["stream"] == "concat":
+        docs = [_concatenate(docs, opts["max_tokens"])]
+    return docs, DatasetStats(len(docs), 0, sum(len(d.tokens) for d in docs))
+
+
 def _options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Config node (OmegaConf or dict) -> validated plain dict with defaults filled in."""
     opts = {**_DEFAULTS, **{key: cfg[key] for key in cfg}}
@@ -150,12 +234,15 @@ def _options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def _concatenate(docs: list[Document], max_tokens: int | None) -> Document:
     """StreamingLLM protocol: one stream through all documents, each keeping its own BOS."""
     tokens = torch.cat([doc.tokens for doc in docs])[:max_tokens].clone()
+    segments = None
+    if all(doc.segments is not None for doc in docs):
+        segments = np.concatenate([doc.segments for doc in docs])[: len(tokens)]
     parts, start = [], 0
     for doc in docs:  # load_documents stops at the document that reaches max_tokens: all overlap `tokens`
         n = min(len(doc.tokens), len(tokens) - start)
         parts.append({"doc_id": doc.doc_id, "start": start, "n_tokens": n, "meta": doc.meta})
         start += n
-    return Document("concat", tokens, {"parts": parts})
+    return Document("concat", tokens, {"parts": parts}, segments)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -292,7 +379,7 @@ _HUB_SPECS = {
         download_hint="--include 'test/*'",
     ),
 }
-_SOURCES = ("shakespeare", "textdir", *_HUB_SPECS)
+_SOURCES = ("shakespeare", "textdir", "reuse", *_HUB_SPECS)
 
 
 def _hub(opts: dict[str, Any], source: str, spec: _HubSpec) -> Iterator[_RawDoc]:

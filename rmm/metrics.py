@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 import psutil
 import torch
@@ -30,7 +31,14 @@ class RunTotals:
     estimator_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     token_frames: list[pd.DataFrame] = field(default_factory=list)
 
-    def add(self, doc_id: str, tokens: torch.Tensor, result: StreamResult, wall_s: float) -> None:
+    def add(
+        self,
+        doc_id: str,
+        tokens: torch.Tensor,
+        result: StreamResult,
+        wall_s: float,
+        segments: np.ndarray | None = None,
+    ) -> None:
         self.nll_sum += float(result.nll.double().sum())
         self.n_scored += result.nll.numel()
         self.n_correct += int(result.correct.sum())
@@ -40,21 +48,60 @@ class RunTotals:
         self.n_evicted += result.evicted_count
         self.n_docs += 1
         self.stream_wall_s += wall_s
-        self.token_frames.append(token_frame(doc_id, tokens, result))
+        self.token_frames.append(token_frame(doc_id, tokens, result, segments))
 
     @property
     def running_ppl(self) -> float:
         return math.exp(self.nll_sum / max(self.n_scored, 1))
 
 
-def token_frame(doc_id: str, tokens: torch.Tensor, result: StreamResult) -> pd.DataFrame:
-    """One row per token: nll and correct of predicting x_p from query p - 1 (null at p = 0)."""
+def token_frame(
+    doc_id: str, tokens: torch.Tensor, result: StreamResult, segments: np.ndarray | None = None
+) -> pd.DataFrame:
+    """One row per token: nll and correct of predicting x_p from query p - 1 (null at p = 0), and the
+    segment label of x_p (``segments`` [n], null for plain text)."""
     n = tokens.numel()
     nll = pd.array([None, *result.nll.tolist()], dtype="Float32")
     correct = pd.array([None, *result.correct.tolist()], dtype="boolean")
+    segment = pd.array([None] * n if segments is None else list(segments), dtype="string")
     return pd.DataFrame(
-        {"doc_id": doc_id, "position": range(n), "token_id": tokens.tolist(), "nll": nll, "correct": correct}
+        {
+            "doc_id": doc_id,
+            "position": range(n),
+            "token_id": tokens.tolist(),
+            "nll": nll,
+            "correct": correct,
+            "segment": segment,
+        }
     ).astype({"position": "int32", "token_id": "int32"})
+
+
+def segment_metrics(tokens: pd.DataFrame) -> dict[str, float | int]:
+    """Per-segment results of a labelled run (empty for plain text).
+
+    ``ppl_<segment>`` for every segment present; over the recall code tokens (segment ``recall``):
+    ``nll_recall``/``acc_recall`` (mean NLL, fraction predicted correctly), the same for the first code
+    token of each recall (``_first``: it cannot be copied from the cue) and for the others (``_rest``), and
+    ``n_recall_tokens``/``n_recalls``.
+    """
+    if "segment" not in tokens or tokens["segment"].isna().all():
+        return {}
+    scored = tokens[tokens["nll"].notna()]
+    out: dict[str, float | int] = {}
+    for segment, group in scored.groupby("segment", sort=True):
+        out[f"ppl_{segment}"] = math.exp(float(group["nll"].astype("float64").mean()))
+    segment = tokens["segment"]
+    recall = (segment == "recall").fillna(False)
+    previous = segment.groupby(tokens["doc_id"], sort=False).shift(1)
+    first = recall & (previous != "recall").fillna(True)
+    for suffix, mask in (("", recall), ("_first", first), ("_rest", recall & ~first)):
+        picked = tokens[mask.to_numpy(dtype=bool)]
+        if len(picked):
+            out[f"nll_recall{suffix}"] = float(picked["nll"].astype("float64").mean())
+            out[f"acc_recall{suffix}"] = float(picked["correct"].astype("float64").mean())
+    out["n_recall_tokens"] = int(recall.sum())
+    out["n_recalls"] = int(first.sum())
+    return out
 
 
 def kv_cache_bytes(budget: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -13,11 +13,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from rmm.data import load_documents
+from rmm.data import check_dataset, load_documents
 from rmm.engine import StreamingEngine, record_future
 from rmm.future import FutureRequests
 from rmm.memory import POSITIONS, SCOPES, SlotMemory
-from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, summarize
+from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import make_policy
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
@@ -40,6 +40,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         log.info("complete results found in %s; skipping (resume=false to recompute)", run_dir)
         return read_metrics(run_dir)
     _check_options(cfg)
+    check_dataset(cfg.dataset)
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk, seed=cfg.seed)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -76,12 +77,13 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             running = RunningPerplexity(totals, progress, tracker, memory)
             result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=running)
             _sync(device)
-            totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start)
+            totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start, doc.segments)
         progress.close()
         tokens = pd.concat(totals.token_frames, ignore_index=True)
         budget = cfg.budget if policy.budget is not None else longest
         metrics = {
             **summarize(totals),
+            **segment_metrics(tokens),
             "n_skipped_short": data_stats.n_skipped_short,
             "peak_memory_bytes": memory.bytes(),
             "kv_cache_bytes": kv_cache_bytes(
@@ -102,6 +104,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             "dtype": str(dtype).removeprefix("torch."),
             "run_name": cfg.run_name,
             **{f"policy.{k}": v for k, v in config["policy"].items() if k not in ("name", "tag")},
+            **{f"dataset.{k}": v for k, v in config["dataset"].items() if k not in ("name", "tag")},
             **environment,
         }
         write_run(run_dir, config, metrics, tokens)

@@ -34,6 +34,7 @@ TOKEN_SCHEMA = pa.schema(
         ("token_id", pa.int32()),
         ("nll", pa.float32()),
         ("correct", pa.bool_()),
+        ("segment", pa.string()),  # controlled-reuse label of x_p; null for plain text
     ]
 )
 
@@ -96,10 +97,12 @@ def _json_default(value: Any) -> Any:
 
 def _tokens_table(tokens: pd.DataFrame) -> pa.Table:
     """Cast the per-token frame to the ``token_nll.parquet`` schema (raises on missing columns)."""
+    if "segment" not in tokens.columns:
+        tokens = tokens.assign(segment=pd.array([None] * len(tokens), dtype="string"))
     missing = [name for name in TOKEN_SCHEMA.names if name not in tokens.columns]
     if missing:
         raise ValueError(f"token frame lacks columns {missing}")
-    frame = tokens[TOKEN_SCHEMA.names].astype({"doc_id": str, "correct": "boolean"})
+    frame = tokens[TOKEN_SCHEMA.names].astype({"doc_id": str, "correct": "boolean", "segment": "string"})
     return pa.Table.from_pandas(frame, schema=TOKEN_SCHEMA, preserve_index=False)
 
 
@@ -145,9 +148,13 @@ def read_config(run_dir: str | Path) -> dict[str, Any]:
 
 
 def read_tokens(run_dir: str | Path) -> pd.DataFrame:
-    """Load ``token_nll.parquet`` of a run; ``correct`` comes back as pandas' nullable boolean."""
+    """Load ``token_nll.parquet`` of a run; ``correct`` comes back as pandas' nullable boolean, ``segment``
+    as a nullable string (all null for plain text, and for files written before the column existed)."""
     table = pq.read_table(Path(run_dir) / TOKENS_FILE)
-    return table.to_pandas(types_mapper={pa.bool_(): pd.BooleanDtype()}.get)
+    frame = table.to_pandas(types_mapper={pa.bool_(): pd.BooleanDtype()}.get)
+    segment = frame["segment"] if "segment" in frame.columns else [None] * len(frame)
+    frame["segment"] = pd.array(segment, dtype="string")
+    return frame
 
 
 def _git(*args: str) -> str:

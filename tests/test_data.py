@@ -118,7 +118,7 @@ BOOKS = [
 
 def test_dataset_configs_name_their_file_and_source() -> None:
     stems = sorted(p.stem for p in CONF.glob("*.yaml"))
-    assert stems == ["pg19", "proof_pile", "shakespeare", "textdir"]
+    assert stems == ["pg19", "proof_pile", "reuse", "shakespeare", "textdir"]
     for stem in stems:
         cfg = OmegaConf.load(CONF / f"{stem}.yaml")
         assert cfg.name == stem and cfg.source == stem

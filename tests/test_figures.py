@@ -283,8 +283,40 @@ def test_notebook_runs_on_synthetic_results(
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) == len(FIGURE_NAMES)
     markdown = "".join(o["data"].get("text/markdown", "") for o in outputs if "data" in o)
-    assert "| policy | B=64 | B=128 |" in markdown and "| full | 18.00 | 18.00 |" in markdown
+    assert "| policy | B=64 | B=128 |" in markdown and "| full | 18.00 [" in markdown
+    assert "### baseline `policy=h2o`" in markdown  # the comparison table
+    printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "delta_nll" in printed and "ppl ratio" in printed  # two runs compared
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert f"{N_RUNS} complete runs" in printed
     for name in FIGURE_NAMES:
         assert_saved(tmp_path / "figures", name)
+
+
+def test_legends_outside_the_axes(runs: pd.DataFrame, tmp_path: Path) -> None:
+    for name, fig in figures.make_all(runs, tmp_path).items():
+        renderer = fig.canvas.get_renderer()
+        (legend,) = fig.legends
+        box = legend.get_window_extent(renderer)
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_window_extent(renderer)), name
+
+
+def test_figures_draw_the_intervals(runs: pd.DataFrame, tmp_path: Path) -> None:
+    fig = figures.ppl_vs_budget(runs, tmp_path)
+    bars = np.concatenate([np.asarray(c.get_segments()) for c in fig.axes[0].collections])  # (n, 2, 2)
+    h2o = runs[runs["policy"] == "h2o"].sort_values("budget")
+    for low, high in zip(h2o["ppl_ci_low"], h2o["ppl_ci_high"], strict=True):
+        assert any(np.allclose(seg[:, 1], [low, high]) for seg in bars)
+    lag = figures.ppl_vs_lag(runs, tmp_path)  # one h2o run at the budget: bands paired against it
+    assert "paired against h2o" in lag.axes[0].get_title() and len(lag.axes[0].collections) == 2
+
+
+def test_notebook_writes_outside_the_repository_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RMM_FIGURES_DIR", raising=False)
+    first = next(cell for cell in nbformat.read(NOTEBOOK, as_version=4).cells if cell.cell_type == "code")
+    namespace: dict[str, object] = {}
+    exec(first.source, namespace)  # the cell that chooses where figures go
+    figures_dir = Path(str(namespace["FIGURES_DIR"])).resolve()
+    assert figures_dir.is_dir() and NOTEBOOK.parents[1] not in figures_dir.parents
+    figures_dir.rmdir()

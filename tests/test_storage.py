@@ -74,7 +74,8 @@ def test_write_run_round_trip(tmp_path: Path) -> None:
     assert metrics["n_tokens"] == 5 and metrics["correct_frac"] == pytest.approx(0.25)
     assert metrics["evicted_age_mean"] is None and metrics["package_versions"] == {"torch": "2.0"}
     tokens = read_tokens(run_dir)
-    assert list(tokens.columns) == ["doc_id", "position", "token_id", "nll", "correct"]
+    assert list(tokens.columns) == ["doc_id", "position", "token_id", "nll", "correct", "segment"]
+    assert tokens["segment"].isna().all()  # plain text: no segment labels
     assert tokens["position"].dtype == np.int32 and tokens["token_id"].dtype == np.int32
     assert tokens["nll"].dtype == np.float32
     assert tokens["nll"].isna().tolist() == [True, False, False, True, False, False]
