@@ -12,8 +12,8 @@ from rmm.future import RequestRecorder
 from rmm.integration import Rotary
 from rmm.policies import make_policy
 
-NLL_ATOL = 5e-6  # per token, fp32 (measured maximum 2.4e-6 over the reference matrix)
-SMOLLM2_NLL_ATOL = 1e-4  # per token, 30 layers of fp32 on real weights
+NLL_ATOL = 5e-6  # per token, fp32 (measured: 1.4e-6 for full, 2.2e-6 over the reference matrix)
+SMOLLM2_NLL_ATOL = 5e-5  # per token, 30 layers of fp32 on real weights (measured 1.5e-5)
 
 
 def forward_nll(model, tokens: torch.Tensor) -> torch.Tensor:
