@@ -7,7 +7,7 @@ import torch
 from conftest import record_max
 from omegaconf import OmegaConf
 
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamingEngine, record_future
 from rmm.future import RequestRecorder
 from rmm.integration import Rotary
 from rmm.policies import make_policy
@@ -74,19 +74,28 @@ def test_rotation_composes_with_the_models_rope(tiny_models):
     torch.testing.assert_close(rotary.rotate(rotary.rotate(x, delta), -delta), x, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["window", "streaming_llm", "h2o", "rmm"])
+@pytest.mark.parametrize("name", ["window", "streaming_llm", "h2o", "rmm", "oracle"])
 def test_memory_does_not_grow_with_the_stream(tiny_models, name):
+    """The memory's tensors after streaming 400 tokens are as large as after 40."""
     model = tiny_models["llama"]
-    policy = make_policy({"name": name, **({"lag": 4} if name == "rmm" else {})}, budget=16, chunk=8)
-    engine = StreamingEngine(model, policy)
 
     def memory_bytes(n: int) -> int:
-        memory = engine.new_memory(n, record_attention=policy.needs_attention)
-        tensors = [memory.keys, memory.values, memory.key_pos, *memory.state.values()]
-        tensors += [memory.attn] if memory.attn is not None else []
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tokens = torch.arange(n) % model.config.vocab_size
+        policy = make_policy({"name": name, **({"lag": 4} if name == "rmm" else {})}, budget=16, chunk=8)
+        if name == "oracle":
+            policy.future = record_future(model, tokens, tau=0.02, context=64)
+        seen = []
 
-    assert memory_bytes(200) == memory_bytes(20_000)
+        def hook(memory, now, evicted):
+            tensors = [memory.keys, memory.values, memory.key_pos, *memory.state.values()]
+            tensors += [memory.attn] if memory.attn is not None else []
+            seen.append(sum(t.numel() * t.element_size() for t in tensors))
+
+        StreamingEngine(model, policy).stream(tokens, on_boundary=hook)
+        assert len(set(seen)) == 1, "the memory changed size during the stream"
+        return seen[-1]
+
+    assert memory_bytes(40) == memory_bytes(400)
 
 
 def test_attended_counts_follow_the_budget(tiny_models, streams):

@@ -95,16 +95,16 @@ def config(setup: dict, *overrides: str, arch: str = "llama"):
 
 
 def direct_streams(cfg, context: int | None = None) -> dict[str, torch.Tensor]:
-    """Per document, the NLL [n - 1] of StreamingEngine.stream with the run's options; the oracle gets a
-    fresh reference pass per document."""
+    """Per document, the NLL [n - 1] of StreamingEngine.stream with the run's options, each document with
+    a new policy and engine (so no state carries over), the oracle with that document's reference pass."""
     model, tokenizer = load_model(cfg.model, CPU, torch.float32)
     docs, _ = load_documents(cfg.dataset, tokenizer)
-    policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk, seed=cfg.seed)
-    engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
     out = {}
     for doc in docs:
+        policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk, seed=cfg.seed)
         if policy.name == "oracle":
             policy.future = record_future(model, doc.tokens, cfg.oracle.tau, context or doc.tokens.numel())
+        engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
         out[doc.doc_id] = engine.stream(doc.tokens).nll
     return out
 
