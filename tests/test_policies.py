@@ -109,7 +109,8 @@ def check_against_reference(model, tokens, arch, name, params, chunk, positions,
 
 def matrix():
     """Every case on every architecture at every chunk. The fast loop (``-m "not slow"``) runs all of
-    them on Llama, and each policy's first case at chunks 1 and 5 on the other architectures."""
+    them on Llama, and each policy's first case at chunks 1 and 5 on GPT-NeoX (multi-head, partial
+    rotary); Qwen2 and Mistral (Llama's attention and RoPE code paths) run in the slow suite."""
     seen = set()
     for arch in ARCHS:
         for (name, params), case_id in zip(CASES, CASE_IDS, strict=True):
@@ -118,7 +119,7 @@ def matrix():
             for chunk in CHUNKS:
                 if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
                     continue
-                slow = arch != "llama" and (variant or chunk == 4)
+                slow = arch in ("qwen2", "mistral") or (arch == "gpt_neox" and (variant or chunk == 4))
                 yield pytest.param(
                     arch,
                     name,
