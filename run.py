@@ -10,8 +10,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from rmm.files import atomic_write_text
 from rmm.runner import run
-from rmm.storage import atomic_write_text
 
 log = logging.getLogger("rmm")
 

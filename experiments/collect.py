@@ -17,18 +17,9 @@ from typing import Any
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script without an installed package
-
 from rmm.bootstrap import BLOCK, N_RESAMPLES, nll_interval
-from rmm.storage import (
-    CONFIG_FILE,
-    METRICS_FILE,
-    TOKENS_FILE,
-    atomic_write_text,
-    read_metrics,
-    read_tokens,
-    run_is_complete,
-)
+from rmm.files import atomic_write_text
+from rmm.storage import CONFIG_FILE, METRICS_FILE, TOKENS_FILE, read_metrics, read_tokens, run_is_complete
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +38,22 @@ ID_COLUMNS = [
     "seed",
 ]
 SORT_COLUMNS = [*ID_COLUMNS[1:], "run_dir"]
-POLICY_ORDER = ["full", "window", "streaming_llm", "random", "tova", "h2o", "rmm", "oracle"]
+POLICY_ORDER = [
+    "full",
+    "window",
+    "streaming_llm",
+    "random",
+    "knorm",
+    "keydiff",
+    "lagkv",
+    "tova",
+    "snapkv",
+    "lru",
+    "h2o",
+    "observed_attention",
+    "rmm",
+    "oracle",
+]
 # Columns that tell apart configurations of one policy within a model/dataset besides ``policy.*``.
 VARIANT_COLUMNS = ["chunk", "positions", "scope"]
 PARAM_EXCLUDE = ("policy.name", "policy.tag")

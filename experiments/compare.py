@@ -34,8 +34,6 @@ import numpy as np
 import pandas as pd
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script without an installed package
-
 from experiments.collect import collect, load_runs, policy_sort_key, with_labels
 from rmm.bootstrap import BLOCK, CONFIDENCE, N_RESAMPLES, SEED, doc_sizes, mean_interval, scored_tokens
 from rmm.storage import atomic_write_text, read_metrics, read_tokens, run_is_complete
@@ -189,7 +187,8 @@ def baseline_pairs(frame: pd.DataFrame, baseline: Mapping[str, Any]) -> list[tup
         raise ValueError(f"baseline columns {missing} are not in the runs (columns: {sorted(frame.columns)})")
     params = [c for c in frame.columns if c.startswith("policy.") and c not in PARAM_EXCLUDE]
     free = set(baseline) | (set(params) | {"lag"} if "policy" in baseline else set())
-    match = [c for c in [*SETTING_COLUMNS, *params] if c in frame.columns and c not in free]
+    dataset_params = [c for c in frame.columns if c.startswith("dataset.")]  # e.g. a generator's settings
+    match = [c for c in [*SETTING_COLUMNS, *params, *dataset_params] if c in frame.columns and c not in free]
     is_base = pd.Series(True, index=frame.index)
     for key, value in baseline.items():
         is_base &= _equal(frame[key], value)

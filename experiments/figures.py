@@ -24,8 +24,6 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script without an installed package
-
 from experiments.collect import load_runs, policy_sort_key, with_labels
 from experiments.compare import compare_runs
 from rmm.storage import read_tokens

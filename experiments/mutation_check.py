@@ -57,8 +57,8 @@ MUTANTS = [
     Mutant(
         "correct_is_prob",
         "rmm/policies/rmm.py",
-        '{"correct": queries.correct, "prob": queries.prob}',
-        '{"correct": queries.prob, "prob": queries.prob}',
+        '{"correct": obs.correct, "prob": obs.prob}',
+        '{"correct": obs.prob, "prob": obs.prob}',
         "rmm: weight=correct uses p(x_{s+1}|s) (correct swapped for prob)",
     ),
     Mutant(
@@ -84,10 +84,10 @@ MUTANTS = [
     ),
     Mutant(
         "oracle_future_reused",
-        "rmm/runner.py",
-        "                    policy.future = future\n",
-        "                    policy.future = policy.future or future\n",
-        "runner: the first document's oracle future reused for the next documents",
+        "rmm/future.py",
+        "if self._last is not None and self._last[0] is tokens:",
+        "if self._last is not None:",
+        "reference pass: the first document's oracle future reused for the next documents",
     ),
     Mutant(
         "tie_to_older",
@@ -106,8 +106,8 @@ MUTANTS = [
     Mutant(
         "tova_first_query",
         "rmm/policies/tova.py",
-        'state["last"].copy_(attn[:, :, -1, :])',
-        'state["last"].copy_(attn[:, :, 0, :])',
+        "return obs.attention[:, :, -1, :].clone()",
+        "return obs.attention[:, :, 0, :].clone()",
         "tova: ranks by the chunk's first query instead of its last",
     ),
     Mutant(
@@ -162,11 +162,17 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
     parser.add_argument("--fast-only", action="store_true", help="do not run the slow suite on survivors")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated fast-loop run")
+    parser.add_argument("--check", action="store_true", help="only check that every mutant applies once")
     args = parser.parse_args()
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
         parser.error(f"unknown mutants {sorted(unknown)}; choose from {[m.name for m in MUTANTS]}")
+    if args.check:
+        counts = {m.name: (ROOT / m.path).read_text().count(m.old) for m in mutants}
+        for name, count in counts.items():
+            print(f"{name}: {'applies' if count == 1 else f'pattern found {count} times'}")
+        sys.exit(0 if all(count == 1 for count in counts.values()) else 1)
     with tempfile.TemporaryDirectory(prefix="rmm-mutants-") as tmp:
         copy = Path(tmp) / "repo"
         copy_repository(copy)

@@ -34,7 +34,6 @@ rm -f "$OUT/runs/multirun.yaml"  # Hydra's record of the last sweep only; each r
 "$PY" - "$OUT" <<'PYTHON'
 import sys
 
-sys.path.insert(0, ".")
 from experiments import figures
 from experiments.collect import load_runs
 

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=results/cpu/reuse
-read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 decoys decoys_rmm gap rmm_b128_freeze rmm_b64}"
+read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 decoys gap rmm_b128_freeze}"
 
 for sweep in "${SWEEPS[@]}"; do
     start=$(date +%s)

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import socket
-import tempfile
 import threading
 import urllib.parse
 import urllib.request
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rmm.files import atomic_path, cache_root, offline_switches
 from rmm.reuse import ReuseSpec, Vocabulary, generate
 
 HUB_TIMEOUT_S = 3.0
@@ -133,8 +133,7 @@ def load_documents(
 
 def default_cache_dir() -> Path:
     """``$RMM_CACHE/tokens`` if ``RMM_CACHE`` is set, else ``~/.cache/rmm/tokens``."""
-    root = os.environ.get("RMM_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "rmm") / "tokens"
+    return cache_root() / "tokens"
 
 
 def check_dataset(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -266,21 +265,9 @@ class _TokenCache:
         with contextlib.suppress(OSError, ValueError, EOFError):
             return torch.from_numpy(np.load(path, allow_pickle=False).astype(np.int64, copy=False))
         ids = np.asarray(self.tokenizer(raw.text, verbose=False).input_ids, dtype=np.int64)
-        _atomic_save(path, ids)
+        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+            np.save(fh, ids)
         return torch.from_numpy(ids)
-
-
-def _atomic_save(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _sha256(obj: Any) -> str:
@@ -442,9 +429,7 @@ def _local_data_files(path: Path, split: str) -> tuple[str, list[Path]]:
 
 def _require_hub(source: str, hub_id: str, spec: _HubSpec) -> None:
     """Fail fast (seconds) when the hub is switched off or cannot be reached."""
-    offline = [
-        v for v in _OFFLINE_VARS if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-    ]
+    offline = offline_switches(_OFFLINE_VARS)
     if offline:
         reason = f"{' and '.join(offline)} set"
     else:

@@ -9,16 +9,15 @@ import torch
 from transformers import PreTrainedModel
 
 from rmm import integration
-from rmm.future import FutureRequests, RequestRecorder
 from rmm.memory import SlotMemory
 from rmm.models import describe_model
-from rmm.policies import Policy, QueryBatch
-from rmm.policies.window import Window
+from rmm.policies import Observation, Policy
+from rmm.rotary import Rotary
 
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-# called before each decision: (memory, now)
-DecisionHook = Callable[[SlotMemory, int], None]
+# called before each decision of a score-based policy: (memory, observation of the chunk, now)
+DecisionHook = Callable[[SlotMemory, Observation, int], None]
 # called after each chunk: (tokens streamed so far, nll [Q'] of the chunk's scored predictions)
 ChunkHook = Callable[[int, torch.Tensor], None]
 # called after each decision: (memory, now, evicted [L, H, S] with -1 where kept)
@@ -56,7 +55,7 @@ class StreamingEngine:
         self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.rotary = integration.Rotary(model).to(self.device)
+        self.rotary = Rotary(model).to(self.device)
 
     def new_memory(self, n_tokens: int, record_attention: bool) -> SlotMemory:
         chunk = min(self.policy.chunk, n_tokens)
@@ -72,6 +71,7 @@ class StreamingEngine:
             self.dtype,
             self.device,
             record_attention,
+            record_queries="queries" in self.policy.needs and not self.policy.per_query,
         )
 
     @torch.no_grad()
@@ -88,13 +88,14 @@ class StreamingEngine:
         if n < 2:
             raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
         tokens = tokens.to(self.device)
-        record = self.policy.needs_attention or observer is not None
-        memory = self.new_memory(n, record)
+        policy = self.policy
+        scoring = not policy.per_query
+        memory = self.new_memory(n, (scoring and "attention" in policy.needs) or observer is not None)
         nll = torch.empty(n - 1, device=self.device)
         correct = torch.empty(n - 1, dtype=torch.bool, device=self.device)
         attended, age_sum, n_evicted = 0.0, 0.0, 0
-        for start in range(0, n, self.policy.chunk):
-            stop = min(start + self.policy.chunk, n)
+        for start in range(0, n, policy.chunk):
+            stop = min(start + policy.chunk, n)
             query_pos = torch.arange(start, stop, device=self.device)
             position_ids = memory.begin_chunk(query_pos)
             logits = (
@@ -117,18 +118,19 @@ class StreamingEngine:
             attended += memory.attended_total()
             if on_chunk is not None:
                 on_chunk(stop, token_nll)
-            if record:
-                queries = _query_batch(query_pos, token_nll, token_correct)
-                if self.policy.needs_attention:
-                    self.policy.observe(
-                        memory.state_view(), memory.chunk_attention(), memory.chunk_key_pos(), queries
-                    )
-                if observer is not None:
-                    observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
+            obs = None
+            if scoring:
+                outcomes = {}
+                if "outcomes" in policy.needs:
+                    outcomes = _outcomes(query_pos, token_nll, token_correct)
+                obs = memory.observation(policy.needs, outcomes)
+                policy.observe(memory.state_view(), obs)
+            if observer is not None:
+                observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
             if stop < n:
-                if before_boundary is not None:
-                    before_boundary(memory, stop)
-                evicted = memory.boundary(stop)
+                if before_boundary is not None and obs is not None:
+                    before_boundary(memory, obs, stop)
+                evicted = memory.boundary(stop, obs)
                 evicted_pos = evicted[evicted >= 0]
                 age_sum += float((stop - evicted_pos).sum())
                 n_evicted += evicted_pos.numel()
@@ -137,24 +139,11 @@ class StreamingEngine:
         return StreamResult(nll.float().cpu(), correct.cpu(), attended, age_sum, n_evicted)
 
 
-def _query_batch(query_pos: torch.Tensor, nll: torch.Tensor, correct: torch.Tensor) -> QueryBatch:
-    """Pad the per-query outcomes to the chunk length (the document's last query has no target)."""
+def _outcomes(query_pos: torch.Tensor, nll: torch.Tensor, correct: torch.Tensor) -> dict[str, torch.Tensor]:
+    """correct, prob and nll [Q] of the chunk's queries, 0 for the document's last query (no target)."""
     pad = query_pos.numel() - nll.numel()
-    prob = torch.nn.functional.pad(torch.exp(-nll), (0, pad))
-    hit = torch.nn.functional.pad(correct.float(), (0, pad))
-    return QueryBatch(positions=query_pos, correct=hit, prob=prob)
-
-
-def record_future(
-    model: PreTrainedModel, tokens: torch.Tensor, tau: float, context: int, chunk: int = 256
-) -> FutureRequests:
-    """The oracle's reference pass: who attends to whom, under full attention over the last ``context``.
-
-    Streams ``tokens`` with a ``window`` of ``context`` positions (exact full attention when the stream
-    is no longer than ``context``), original positions, and records every (query, key) pair whose
-    attention is at least ``tau``.
-    """
-    recorder = RequestRecorder(tau)
-    window = Window(budget=context, chunk=min(chunk, context))
-    StreamingEngine(model, window).stream(tokens, observer=recorder)
-    return recorder.finish(tokens.numel())
+    return {
+        "correct": torch.nn.functional.pad(correct.float(), (0, pad)),
+        "prob": torch.nn.functional.pad(torch.exp(-nll), (0, pad)),
+        "nll": torch.nn.functional.pad(nll.float(), (0, pad)),
+    }

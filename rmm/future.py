@@ -7,7 +7,13 @@ so next-request times and remaining attention mass are one ``searchsorted`` away
 
 from __future__ import annotations
 
+import time
+
 import torch
+from transformers import PreTrainedModel
+
+from rmm.engine import StreamingEngine
+from rmm.policies.window import Window
 
 
 class FutureRequests:
@@ -82,3 +88,45 @@ class RequestRecorder:
         lh, keys, queries = triples
         codes = (lh * n_tokens + keys) * n_tokens + queries
         return FutureRequests(*self.shape, n_tokens, codes, mass)
+
+
+def record_future(
+    model: PreTrainedModel, tokens: torch.Tensor, tau: float, context: int, chunk: int = 256
+) -> FutureRequests:
+    """The reference pass: who attends to whom, under full attention over the last ``context`` positions.
+
+    Streams ``tokens`` with a ``window`` of ``context`` positions (exact full attention when the stream
+    is no longer than ``context``), original positions, and records every (query, key) pair whose
+    attention is at least ``tau``.
+    """
+    recorder = RequestRecorder(tau)
+    window = Window(budget=context, chunk=min(chunk, context))
+    StreamingEngine(model, window).stream(tokens, observer=recorder)
+    return recorder.finish(tokens.numel())
+
+
+class ReferencePass:
+    """``reference(tokens)``: the reference pass of one stream, run at most once per stream and timed.
+
+    Shared by a policy's ``prepare`` (the oracle) and the estimator diagnostic; ``wall_s`` sums the time
+    spent in reference passes.
+    """
+
+    def __init__(self, model: PreTrainedModel, tau: float, context: int):
+        self.model, self.tau, self.context = model, tau, context
+        self.wall_s = 0.0
+        self._last: tuple[torch.Tensor, FutureRequests] | None = None
+
+    def __call__(self, tokens: torch.Tensor) -> FutureRequests:
+        if self._last is not None and self._last[0] is tokens:
+            return self._last[1]
+        start = time.perf_counter()
+        future = record_future(self.model, tokens, self.tau, self.context)
+        self.wall_s += time.perf_counter() - start
+        self._last = (tokens, future)
+        return future
+
+
+def no_reference_pass(tokens: torch.Tensor) -> FutureRequests:
+    """Stands in for :class:`ReferencePass` when a run has none configured."""
+    raise RuntimeError("this run has no reference pass; only policies with needs_reference may use it")

@@ -1,4 +1,4 @@
-"""The one place where the harness touches the model: rotary positions and the attention function.
+"""The one place where the harness touches the model's internals: the attention function.
 
 The engine streams chunks through an unmodified Hugging Face causal LM. Every attention layer calls
 :func:`bounded_attention` (registered in transformers' ``AttentionInterface``), which reads and writes
@@ -19,46 +19,6 @@ if TYPE_CHECKING:
     from rmm.memory import SlotMemory
 
 ATTENTION_NAME = "rmm_bounded"
-
-
-class Rotary:
-    """Rotations by arbitrary position offsets, using the model's own rotary frequencies.
-
-    RoPE is a rotation per frequency pair, so rotating a key already rotated at position ``p`` by
-    ``delta`` gives the key at ``p + delta``. ``attention_scaling`` (YaRN, LongRoPE) is already
-    applied once by the model and is deliberately not applied again.
-    """
-
-    def __init__(self, model: PreTrainedModel):
-        modules = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
-        if not modules or not hasattr(modules[0], "inv_freq"):
-            raise ValueError(
-                f"{type(model).__name__} has no rotary embedding module with `inv_freq`; "
-                "the harness supports RoPE models (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX)"
-            )
-        self.inv_freq = modules[0].inv_freq.detach().float()  # [rot_dim / 2]
-        self.rot_dim = 2 * self.inv_freq.numel()
-
-    def table(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of a rotation by ``delta`` [..., P] positions: [..., P, rot_dim / 2] each."""
-        angles = delta.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq
-        return angles.cos(), angles.sin()
-
-    def apply(self, x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate ``x`` [..., P, head_dim] by a precomputed :meth:`table` broadcastable to it."""
-        cos, sin = table
-        half = self.rot_dim // 2
-        xf = x.float()
-        x1, x2, rest = xf[..., :half], xf[..., half : self.rot_dim], xf[..., self.rot_dim :]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
-
-    def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` [..., P, head_dim] by ``delta`` positions, ``delta`` broadcastable to [..., P]."""
-        return self.apply(x, self.table(delta))
-
-    def to(self, device: torch.device) -> Rotary:
-        self.inv_freq = self.inv_freq.to(device)
-        return self
 
 
 def bounded_attention(
@@ -92,6 +52,8 @@ def bounded_attention(
     keys, values = kv_memory.attend_keys_values(layer, key[0], value[0])  # [H, S, D] each
     allowed = kv_memory.allowed_mask(layer)  # [H or 1, Q, S] bool
     sink_query = kv_memory.sink_query(q)  # [H, G, Q, D] or None (cache positions, sinks)
+    if kv_memory.record_queries:
+        kv_memory.store_queries(layer, q)
 
     if not kv_memory.record_attention and sink_query is None:
         out = F.scaled_dot_product_attention(

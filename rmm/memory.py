@@ -11,14 +11,19 @@ stream length. Positions:
   (window, streaming_llm) change the set per query; there the relative distance of every non-sink key
   equals its original distance, and only the sinks need the query re-rotated to its rank min(t, B),
   which is done exactly per query (see :mod:`rmm.integration`).
+
+What a policy observes after a chunk (:meth:`SlotMemory.observation`) is read from these slots; keys
+and queries are handed over unrotated in both position modes. With ``original`` positions a policy
+that reads keys makes the memory keep a second, unrotated copy of them, rotated back once as they
+arrive (``cache`` already stores keys unrotated).
 """
 
 from __future__ import annotations
 
 import torch
 
-from rmm.integration import Rotary
-from rmm.policies import Policy
+from rmm.policies import Observation, Policy
+from rmm.rotary import Rotary
 
 POSITIONS = ("original", "cache")
 SCOPES = ("head", "layer", "global")
@@ -46,6 +51,7 @@ class SlotMemory:
         dtype: torch.dtype,
         device: torch.device,
         record_attention: bool,
+        record_queries: bool = False,
     ):
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
@@ -53,18 +59,24 @@ class SlotMemory:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         n_layers, n_heads, head_dim = shape
         slots = retained + chunk
-        self.policy, self.retained, self.scope = policy, retained, scope
+        self.policy, self.retained, self.chunk, self.scope = policy, retained, chunk, scope
         self.rotary = rotary
         self.store_unrotated = positions == "cache" and not policy.per_query
         self.record_attention = record_attention
         self.keys = torch.zeros(n_layers, n_heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
+        # original positions and a policy that reads keys: a second, unrotated copy, filled as keys arrive
+        wants_raw = "keys" in policy.needs and not policy.per_query and not self.store_unrotated
+        self.raw_keys = torch.zeros_like(self.keys) if wants_raw else None
         self.key_pos = torch.full((n_layers, n_heads, slots), -1, dtype=torch.long, device=device)
         self.state = {
             name: torch.zeros(n_layers, n_heads, slots, device=device) for name in policy.state_names
         }
         self.attn = torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None
-        self.n_sink_slots = getattr(policy, "sinks", 0) if positions == "cache" and policy.per_query else 0
+        self.record_queries = record_queries
+        self.queries: torch.Tensor | None = None  # [L, H, G, C, D] unrotated, allocated at the first store
+        self._query_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.n_sink_slots = policy.sink_positions if positions == "cache" and policy.per_query else 0
         self._rank_table = (
             rotary.table(torch.arange(retained, device=device)) if self.store_unrotated else None
         )
@@ -107,6 +119,10 @@ class SlotMemory:
             self._unrotate_table = self.rotary.table(-self.model_pos)
         else:
             self.model_pos = query_pos
+            if self.raw_keys is not None:
+                self._unrotate_table = self.rotary.table(-query_pos)
+        if self.record_queries:
+            self._query_table = self.rotary.table(-self.model_pos)
         return self.model_pos
 
     # ---- attention function (per layer) ----------------------------------------------------------
@@ -116,6 +132,8 @@ class SlotMemory:
         self.values[layer, :, self.retained : end] = value
         if not self.store_unrotated:
             self.keys[layer, :, self.retained : end] = key
+            if self.raw_keys is not None:
+                self.raw_keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
             return self.keys[layer, :, :end], self.values[layer, :, :end]
         self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
         kept = self.rotary.apply(self.keys[layer, :, : self.retained], self._rank_table)
@@ -139,6 +157,13 @@ class SlotMemory:
         """Attention probabilities [H, Q, R + Q] of the chunk's queries, GQA group summed."""
         self.attn[layer, :, : probs.shape[1], : probs.shape[2]] = probs
 
+    def store_queries(self, layer: int, query: torch.Tensor) -> None:
+        """The chunk's queries [H, G, Q, D] as the model rotated them; kept unrotated."""
+        if self.queries is None:
+            n_heads, group, _, head_dim = query.shape
+            self.queries = query.new_zeros(self.keys.shape[0], n_heads, group, self.chunk, head_dim)
+        self.queries[layer, :, :, : query.shape[2]] = self.rotary.apply(query, self._query_table)
+
     # ---- statistics (engine) -------------------------------------------------------------------
     def chunk_attention(self) -> torch.Tensor:
         """[L, H, Q, R + Q] attention of the last chunk."""
@@ -158,14 +183,36 @@ class SlotMemory:
         n = self.retained + self.query_pos.numel()
         return {name: tensor[:, :, :n] for name, tensor in self.state.items()}
 
+    def observation(self, needs: frozenset[str], outcomes: dict[str, torch.Tensor]) -> Observation:
+        """The chunk's :class:`~rmm.policies.Observation`, holding exactly what ``needs`` names.
+
+        ``outcomes`` holds correct, prob and nll [Q] of the chunk's queries.
+        """
+        key_pos = self.chunk_key_pos()
+        n, n_q = key_pos.shape[-1], self.query_pos.numel()
+        fields: dict[str, torch.Tensor] = {}
+        if "attention" in needs:
+            fields["attention"] = self.chunk_attention()
+        if "keys" in needs:
+            keys = self.keys[:, :, :n]
+            fields["keys"] = keys if self.raw_keys is None else self.raw_keys[:, :, :n]
+        if "values" in needs:
+            fields["values"] = self.values[:, :, :n]
+        if "queries" in needs:
+            fields["queries"] = self.queries[:, :, :, :n_q]
+        if "outcomes" in needs:
+            fields.update(outcomes)
+        return Observation(key_pos, self.query_pos, **fields)
+
     def attended_total(self) -> float:
         """Past entries (itself excluded) attended by the chunk's queries, averaged over layers and
         heads, summed over queries."""
         return float((self._allowed.sum(dim=-1) - 1).float().mean(dim=(0, 1)).sum())
 
     # ---- boundary (engine) ---------------------------------------------------------------------
-    def boundary(self, now: int) -> torch.Tensor:
-        """Decide what the memory keeps before query ``now``.
+    def boundary(self, now: int, obs: Observation | None) -> torch.Tensor:
+        """Decide what the memory keeps before query ``now``, from the last chunk's observation ``obs``
+        (None for position rules).
 
         Returns the evicted positions [L, H, R + Q] (-1 where nothing was evicted).
         """
@@ -174,7 +221,7 @@ class SlotMemory:
         if self.policy.per_query:
             keep = valid & self.policy.allowed(torch.tensor([now], device=key_pos.device), key_pos)[..., 0, :]
         else:
-            scores = self._share(self.policy.score(self.state_view(), key_pos, now).float())
+            scores = self._share(self.policy.score(self.state_view(), obs, now).float())
             keep = valid & (_rank(scores, key_pos, valid) < self.policy.capacity)
         evicted = torch.where(valid & ~keep, key_pos, torch.full_like(key_pos, -1))
         self._compact(keep, key_pos)
@@ -201,6 +248,8 @@ class SlotMemory:
         n = key_pos.shape[-1]
         self.keys[:, :, : self.retained] = torch.gather(self.keys[:, :, :n], 2, gather4)
         self.values[:, :, : self.retained] = torch.gather(self.values[:, :, :n], 2, gather4)
+        if self.raw_keys is not None:
+            self.raw_keys[:, :, : self.retained] = torch.gather(self.raw_keys[:, :, :n], 2, gather4)
         for tensor in self.state.values():
             tensor[:, :, : self.retained] = torch.gather(tensor[:, :, :n], -1, index)
         self.key_pos[:, :, : self.retained] = new_pos

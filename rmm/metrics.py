@@ -145,7 +145,8 @@ def estimator_spearman(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float 
 
 
 def summarize(totals: RunTotals) -> dict:
-    """The metrics of PROTOCOL.md's last section that come from the stream itself."""
+    """The metrics of ``metrics.json`` that come from the stream itself (docs/semantics.md, "What a run
+    reports")."""
     return {
         "ppl": totals.running_ppl,
         "nll_mean": totals.nll_sum / max(totals.n_scored, 1),

@@ -32,6 +32,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rmm.files import cache_root, offline_switches
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -119,16 +121,6 @@ def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     }
 
 
-def cache_root() -> Path:
-    """The harness cache: ``$RMM_CACHE`` if set, else ``~/.cache/rmm``; models live under ``models/``."""
-    return Path(os.environ.get("RMM_CACHE") or Path.home() / ".cache" / "rmm").expanduser()
-
-
-def _offline() -> bool:
-    """Whether HF offline mode is requested through the environment (read now, not at import time)."""
-    return any(os.environ.get(var, "").strip().lower() in {"1", "true", "yes", "on"} for var in _OFFLINE_VARS)
-
-
 def _local_dir(path: str | os.PathLike) -> Path:
     directory = Path(path).expanduser()
     if not (directory / "config.json").is_file():
@@ -160,7 +152,7 @@ def _load_pretrained(
 def _load_hub(
     hub_id: str, revision: str | None, device: torch.device, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    offline = _offline()
+    offline = bool(offline_switches(_OFFLINE_VARS))
     try:
         return _load_pretrained(hub_id, device, dtype, local_files_only=offline, revision=revision)
     except OSError as err:

@@ -18,6 +18,8 @@ In particular it has
 - its own model shape reading, its own seeded hash for ``random`` (splitmix64 on Python integers),
   its own oracle reference attention (a plain full forward pass, or this decoder under ``window``
   for a windowed reference context);
+- its own rules for the policies that rank keys and values (knorm, keydiff, lagkv): each key is rotated
+  back, in float64 with this RoPE, from the position the model produced it at;
 - its own scores: accumulated attention in float64 dictionaries, ranking by explicit sorting
   (higher score kept, ties to the more recent position, as the protocol states).
 """
@@ -31,7 +33,19 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 POSITION_RULES = ("full", "window", "streaming_llm")
-SCORE_POLICIES = ("h2o", "rmm", "tova", "random", "oracle")
+SCORE_POLICIES = (
+    "h2o",
+    "rmm",
+    "tova",
+    "random",
+    "oracle",
+    "observed_attention",
+    "snapkv",
+    "knorm",
+    "keydiff",
+    "lru",
+    "lagkv",
+)
 
 
 @dataclass
@@ -52,6 +66,10 @@ class ReferenceSpec:
     tau: float = 0.02
     seed: int = 0
     context: int | None = None
+    window: int = 32
+    kernel: int = 5
+    pooling: str = "avg"
+    partition: int = 32
     retained_log: list = field(default_factory=list)  # R_t per query t: [L][H] sorted position lists
     attention_log: list = field(default_factory=list)  # per query t: [L][H] {key position: attention}
 
@@ -178,6 +196,17 @@ def reference_stream(
     retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t, sorted position lists
     utility = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # h2o / rmm accumulated attention
     last = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # tova: the latest query's attention
+    # what the rules of the other score-based policies read (see _LIST_RULES)
+    seen_by = {
+        "rows": [],  # per query t: [L][H] {j: a_t(j)}
+        "count": [[{} for _ in range(n_kv)] for _ in range(n_layers)],  # j -> queries that saw j
+        "last_use": [[{} for _ in range(n_kv)] for _ in range(n_layers)],  # j -> last s with a_s(j) >= tau
+        "utility": utility,
+        "keys": keys,
+        "values": values,
+        "made_at": made_at,
+        "inv_freq": rope_frequencies(model.config) if spec.policy in ("knorm", "keydiff", "lagkv") else [],
+    }
     nll, correct = torch.zeros(n - 1), torch.zeros(n - 1, dtype=torch.bool)
     for t in range(n):
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
@@ -227,11 +256,15 @@ def reference_stream(
                 per_head.append(seen)
                 last[layer][h] = seen
                 for j, a in seen.items():
-                    if spec.policy == "h2o":
+                    seen_by["count"][layer][h][j] = seen_by["count"][layer][h].get(j, 0) + 1
+                    if a >= spec.tau or j == t:
+                        seen_by["last_use"][layer][h][j] = t
+                    if spec.policy in ("h2o", "observed_attention"):
                         utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a
                     if spec.policy == "rmm" and (spec.after_commit == "accumulate" or t - j <= spec.lag):
                         utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a * weight[spec.weight]
             step_attention.append(per_head)
+        seen_by["rows"].append(step_attention)
         if record_attention:
             spec.attention_log.append(step_attention)
         for layer in range(n_layers):
@@ -245,7 +278,7 @@ def reference_stream(
                 for h in range(n_kv):
                     retained[layer][h] = [j for j in retained[layer][h] if _visible(spec, now, j)]
         elif now % spec.chunk == 0:
-            _decide(spec, retained, now, n, utility, last, future)
+            _decide(spec, retained, now, n, utility, last, future, seen_by)
     return nll, correct
 
 
@@ -260,7 +293,7 @@ def _visible(spec: ReferenceSpec, now: int, j: int) -> bool:
     raise ValueError(f"reference has no rule for policy {spec.policy!r}")
 
 
-def _decide(spec: ReferenceSpec, retained: list, now: int, n: int, utility, last, future) -> None:
+def _decide(spec: ReferenceSpec, retained: list, now: int, n: int, utility, last, future, seen_by) -> None:
     """At boundary ``now``: keep B' = B - C + 1 of the candidates (R plus the chunk), in place."""
     n_layers, n_kv = len(retained), len(retained[0])
     capacity = spec.budget - spec.chunk + 1
@@ -273,7 +306,10 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, n: int, utility, last
     for members in groups:
         candidates = retained[members[0][0]][members[0][1]]
         assert all(retained[layer][h] == candidates for layer, h in members), "a shared set diverged"
-        keep = _choose(spec, members, candidates, now, n, capacity, utility, last, future)
+        if spec.policy in _LIST_RULES:
+            keep = _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by)
+        else:
+            keep = _choose(spec, members, candidates, now, n, capacity, utility, last, future)
         for layer, h in members:
             retained[layer][h] = sorted(keep)
 
@@ -322,3 +358,107 @@ def _next_request(future: torch.Tensor, layer: int, h: int, j: int, now: int, ta
         if future[layer, h, s, j] >= tau:
             return s
     return math.inf
+
+
+# ---- observed_attention, snapkv, knorm, keydiff, lru, lagkv ---------------------------------------
+# Each rule scores one (layer, KV head)'s whole candidate list (sorted positions) at boundary ``now``
+# and returns {position: score}, math.inf for a position that is always kept. Scores of a shared set
+# add up (lru: the latest use counts); the highest are kept, ties to the more recent position.
+
+
+def _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by) -> list[int]:
+    tables = [
+        _LIST_RULES[spec.policy](spec, seen_by, layer, h, candidates, now, capacity) for layer, h in members
+    ]
+    reduce = max if spec.policy == "lru" else math.fsum
+    score = {j: reduce([table[j] for table in tables]) for j in candidates}
+    return sorted(candidates, key=lambda j: (score[j], j), reverse=True)[:capacity]
+
+
+def _unrotated(seen_by, source: str, layer: int, h: int, j: int) -> list[float]:
+    """Key j (rotated back from the position the model produced it at) or value j, in float64."""
+    x = seen_by[source][layer][h][j].double()
+    if source == "keys":
+        x = rope_rotate(x[None], [-seen_by["made_at"][j]], seen_by["inv_freq"])[0]
+    return x.tolist()
+
+
+def _observed_attention(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """A_j / n_j; the r = floor(rho * B') most recent positions kept."""
+    recent = int(spec.rho * capacity)
+    acc, count = seen_by["utility"][layer][h], seen_by["count"][layer][h]
+    return {j: math.inf if j >= now - recent else acc[j] / count[j] for j in candidates}
+
+
+def _snapkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """Mean attention of the chunk's last min(window, C) queries, pooled over position-sorted neighbours."""
+    rows = [seen_by["rows"][s][layer][h] for s in range(now - min(spec.window, spec.chunk), now)]
+    mean = [math.fsum(row.get(j, 0.0) for row in rows) / len(rows) for j in candidates]
+    half, scores = spec.kernel // 2, {}
+    for i, j in enumerate(candidates):
+        around = [mean[i + d] if 0 <= i + d < len(candidates) else 0.0 for d in range(-half, half + 1)]
+        pooled = math.fsum(around) / spec.kernel if spec.pooling == "avg" else max(around)
+        scores[j] = math.inf if j >= now - spec.window else pooled
+    return scores
+
+
+def _knorm(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """Minus the L2 norm of the unrotated key."""
+    return {j: -math.hypot(*_unrotated(seen_by, "keys", layer, h, j)) for j in candidates}
+
+
+def _keydiff(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """Minus the cosine similarity of the unrotated key to the mean normalised key."""
+    units = {}
+    for j in candidates:
+        k = _unrotated(seen_by, "keys", layer, h, j)
+        units[j] = [x / math.hypot(*k) for x in k]
+    dims = range(len(units[candidates[0]]))
+    mean = [math.fsum(units[j][c] for j in candidates) / len(candidates) for c in dims]
+    return {
+        j: -math.fsum(u * m for u, m in zip(units[j], mean, strict=True)) / math.hypot(*mean)
+        for j in candidates
+    }
+
+
+def _lru(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """The last query s with a_s(j) >= tau, or j itself."""
+    return {j: float(seen_by["last_use"][layer][h][j]) for j in candidates}
+
+
+def _lagkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """Partition k = positions [S + kP, S + (k + 1)P), scored against partition k + 1 once that one is
+    whole; sinks and positions of partitions not yet scored are kept."""
+    size, sinks = spec.partition, spec.sinks
+    scores = {}
+    for j in candidates:
+        k = (j - sinks) // size
+        if j < sinks or sinks + (k + 2) * size > now:
+            scores[j] = math.inf
+            continue
+        part = range(sinks + k * size, sinks + (k + 1) * size)
+        reference = range(sinks + (k + 1) * size, sinks + (k + 2) * size)
+        scores[j] = 0.0
+        for source in ("keys", "values"):
+            rows = {i: _unrotated(seen_by, source, layer, h, i) for i in [*part, *reference]}
+            dims = range(len(rows[j]))
+            low = [min(rows[i][c] for i in reference) for c in dims]
+            high = [max(rows[i][c] for i in reference) for c in dims]
+            spread = {}
+            for i in part:
+                normed = [(rows[i][c] - low[c]) / max(high[c] - low[c], 1e-6) for c in dims]
+                mean = math.fsum(normed) / len(normed)
+                spread[i] = math.sqrt(math.fsum((x - mean) ** 2 for x in normed) / (len(normed) - 1))
+            top = max(spread.values())
+            scores[j] += math.exp(spread[j] - top) / math.fsum(math.exp(v - top) for v in spread.values())
+    return scores
+
+
+_LIST_RULES = {
+    "observed_attention": _observed_attention,
+    "snapkv": _snapkv,
+    "knorm": _knorm,
+    "keydiff": _keydiff,
+    "lru": _lru,
+    "lagkv": _lagkv,
+}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +13,34 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+from transformers import PreTrainedModel
 
-from rmm.data import check_dataset, load_documents
-from rmm.engine import StreamingEngine, record_future
-from rmm.future import FutureRequests
+from rmm.data import DatasetStats, Document, check_dataset, load_documents
+from rmm.engine import StreamingEngine
+from rmm.future import FutureRequests, ReferencePass, no_reference_pass
 from rmm.memory import POSITIONS, SCOPES, SlotMemory
 from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
-from rmm.policies import make_policy
+from rmm.policies import Observation, Policy, make_policy
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSetup:
+    """Everything a run streams with, built once from the config."""
+
+    policy: Policy
+    device: torch.device
+    dtype: torch.dtype
+    model: PreTrainedModel
+    dims: dict[str, Any]
+    docs: list[Document]
+    data_stats: DatasetStats
+    longest: int  # tokens in the longest stream
+    reference: ReferencePass | None  # the reference pass, when the policy or a diagnostic needs it
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -31,17 +48,40 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.resume and run_is_complete(run_dir):
-        changed = _changed_keys(read_config(run_dir), config)
-        if changed:
-            raise ValueError(
-                f"{run_dir} holds complete results of a different configuration (differs in: "
-                f"{', '.join(changed)}); use resume=false to overwrite them, or another hydra.run.dir"
-            )
-        log.info("complete results found in %s; skipping (resume=false to recompute)", run_dir)
-        return read_metrics(run_dir)
+        return _resume(run_dir, config)
     _check_options(cfg)
+    setup = build(cfg)
+    environment = environment_info()  # the code that runs, read before it runs
+    with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
+        totals, memory = stream_documents(cfg, setup, tracker)
+        tokens = pd.concat(totals.token_frames, ignore_index=True)
+        metrics = {
+            **run_metrics(cfg, setup, totals, memory, tokens),
+            **_parameters(config, "policy"),
+            **_parameters(config, "dataset"),
+            **environment,
+        }
+        write_run(run_dir, config, metrics, tokens)
+        tracker.finish(metrics, position_perplexity(tokens))
+    return metrics
+
+
+def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
+    """The stored metrics of a complete run of the same configuration."""
+    changed = _changed_keys(read_config(run_dir), config)
+    if changed:
+        raise ValueError(
+            f"{run_dir} holds complete results of a different configuration (differs in: "
+            f"{', '.join(changed)}); use resume=false to overwrite them, or another hydra.run.dir"
+        )
+    log.info("complete results found in %s; skipping (resume=false to recompute)", run_dir)
+    return read_metrics(run_dir)
+
+
+def build(cfg: DictConfig) -> RunSetup:
+    """Policy, model, documents and (when needed) the reference pass."""
     check_dataset(cfg.dataset)
-    policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk, seed=cfg.seed)
+    policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
@@ -54,62 +94,74 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             f"{cfg.dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short)"
         )
     longest = max(d.tokens.numel() for d in docs)
-    needs_future = policy.name == "oracle" or (cfg.diagnostics.estimator and not policy.per_query)
-    context = _reference_context(cfg, dims, longest) if needs_future else None
+    reference = None
+    if policy.needs_reference or _estimating(cfg, policy):
+        reference = ReferencePass(model, cfg.oracle.tau, _reference_context(cfg, dims, longest))
+    return RunSetup(policy, device, dtype, model, dims, docs, data_stats, longest, reference)
 
-    engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
+
+def stream_documents(cfg: DictConfig, setup: RunSetup, tracker: Tracker) -> tuple[RunTotals, PeakMemory]:
+    """Stream every document under the policy; returns the run's totals and its peak memory."""
+    policy = setup.policy
+    engine = StreamingEngine(setup.model, policy, positions=cfg.positions, scope=cfg.scope)
     totals = RunTotals()
-    environment = environment_info()  # the code that runs, read before it runs
-    memory = PeakMemory(device)
-    with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
-        progress = tqdm(total=data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
-        for doc in docs:
-            hook = None
-            if needs_future:
-                start = time.perf_counter()
-                future = record_future(model, doc.tokens, cfg.oracle.tau, context)
-                totals.reference_wall_s += time.perf_counter() - start
-                if policy.name == "oracle":
-                    policy.future = future
-                if cfg.diagnostics.estimator:
-                    hook = _estimator_hook(future, totals.estimator_pairs)
-            start = time.perf_counter()
-            running = RunningPerplexity(totals, progress, tracker, memory)
-            result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=running)
-            _sync(device)
-            totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start, doc.segments)
-        progress.close()
-        tokens = pd.concat(totals.token_frames, ignore_index=True)
-        budget = cfg.budget if policy.budget is not None else longest
-        metrics = {
-            **summarize(totals),
-            **segment_metrics(tokens),
-            "n_skipped_short": data_stats.n_skipped_short,
-            "peak_memory_bytes": memory.bytes(),
-            "kv_cache_bytes": kv_cache_bytes(
-                budget, dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], dtype
-            ),
-            "reference_context": context,
-            "reference_tau": cfg.oracle.tau if needs_future else None,
-            "policy": policy.name,
-            "budget": policy.budget,
-            "lag": cfg.lag if policy.name == "rmm" else None,
-            "chunk": cfg.chunk,
-            "positions": cfg.positions,
-            "scope": cfg.scope,
-            "model": cfg.model.name,
-            "dataset": cfg.dataset.name,
-            "seed": cfg.seed,
-            "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "run_name": cfg.run_name,
-            **{f"policy.{k}": v for k, v in config["policy"].items() if k not in ("name", "tag")},
-            **{f"dataset.{k}": v for k, v in config["dataset"].items() if k not in ("name", "tag")},
-            **environment,
-        }
-        write_run(run_dir, config, metrics, tokens)
-        tracker.finish(metrics, position_perplexity(tokens))
-    return metrics
+    memory = PeakMemory(setup.device)
+    progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
+    for doc in setup.docs:
+        policy.prepare(doc.tokens, setup.reference or no_reference_pass)
+        hook = None
+        if _estimating(cfg, policy):
+            hook = _estimator_hook(setup.reference(doc.tokens), totals.estimator_pairs)
+        start = time.perf_counter()
+        running = RunningPerplexity(totals, progress, tracker, memory)
+        result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=running)
+        _sync(setup.device)
+        totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start, doc.segments)
+    progress.close()
+    if setup.reference is not None:
+        totals.reference_wall_s = setup.reference.wall_s
+    return totals, memory
+
+
+def run_metrics(
+    cfg: DictConfig, setup: RunSetup, totals: RunTotals, memory: PeakMemory, tokens: pd.DataFrame
+) -> dict[str, Any]:
+    """metrics.json, less the policy's and dataset's parameters and the environment."""
+    dims, policy = setup.dims, setup.policy
+    budget = cfg.budget if policy.budget is not None else setup.longest
+    return {
+        **summarize(totals),
+        **segment_metrics(tokens),
+        "n_skipped_short": setup.data_stats.n_skipped_short,
+        "peak_memory_bytes": memory.bytes(),
+        "kv_cache_bytes": kv_cache_bytes(
+            budget, dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], setup.dtype
+        ),
+        "reference_context": setup.reference.context if setup.reference else None,
+        "reference_tau": setup.reference.tau if setup.reference else None,
+        "policy": policy.name,
+        "budget": policy.budget,
+        **policy.metric_fields(),
+        "chunk": cfg.chunk,
+        "positions": cfg.positions,
+        "scope": cfg.scope,
+        "model": cfg.model.name,
+        "dataset": cfg.dataset.name,
+        "seed": cfg.seed,
+        "device": str(setup.device),
+        "dtype": str(setup.dtype).removeprefix("torch."),
+        "run_name": cfg.run_name,
+    }
+
+
+def _parameters(config: dict, group: str) -> dict[str, Any]:
+    """A config group's parameters as ``<group>.<name>`` metrics (``policy.rho``, ``dataset.n_docs``)."""
+    return {f"{group}.{k}": v for k, v in config[group].items() if k not in ("name", "tag")}
+
+
+def _estimating(cfg: DictConfig, policy: Policy) -> bool:
+    """Whether the estimator diagnostic runs (score-based policies only)."""
+    return bool(cfg.diagnostics.estimator) and not policy.per_query
 
 
 class RunningPerplexity:
@@ -180,8 +232,12 @@ def _check_options(cfg: DictConfig) -> None:
 
 
 def _reference_context(cfg: DictConfig, dims: dict, longest: int) -> int:
-    """The reference pass's window: ``oracle.context``, or the model's context for streams it covers."""
-    model_context = dims["max_position_embeddings"]
+    """The reference pass's window: ``oracle.context``, or the model's context for streams it covers.
+
+    The model's context is ``model.max_context`` when the model config sets it, else the checkpoint's
+    ``max_position_embeddings``.
+    """
+    model_context = cfg.model.get("max_context") or dims["max_position_embeddings"]
     if cfg.oracle.context is None:
         if longest > model_context:
             raise ValueError(
@@ -198,13 +254,13 @@ def _reference_context(cfg: DictConfig, dims: dict, longest: int) -> int:
 def _estimator_hook(future: FutureRequests, pairs: list):
     """Record (policy score, oracle future attention mass) of each position as it commits."""
 
-    def hook(memory: SlotMemory, now: int) -> None:
+    def hook(memory: SlotMemory, obs: Observation, now: int) -> None:
         policy = memory.policy
-        key_pos = memory.chunk_key_pos()
+        key_pos = obs.key_pos
         edge = now - policy.protected
         committing = (key_pos >= edge - policy.chunk) & (key_pos < edge)
         if committing.any():
-            scores = policy.score(memory.state_view(), key_pos, now)
+            scores = policy.score(memory.state_view(), obs, now)
             pairs.append((scores[committing].cpu(), future.remaining_mass(key_pos, now)[committing].cpu()))
 
     return hook

@@ -6,14 +6,12 @@ written last and marks the run as complete. This module knows nothing of policie
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import json
 import os
 import platform
 import subprocess
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
+
+from rmm.files import atomic_path, atomic_write_text
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.json"
@@ -40,48 +40,6 @@ TOKEN_SCHEMA = pa.schema(
 
 PACKAGES = ("torch", "transformers", "datasets", "hydra-core", "wandb", "numpy", "pandas")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Flush a directory entry (a rename) to disk where the platform allows it."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success fsync it and rename it onto ``path``.
-
-    On an exception the temporary file is removed and ``path`` is left untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # honours the umask, unlike mkstemp
-    try:
-        yield tmp
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename)."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write UTF-8 ``text`` to ``path`` atomically."""
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _json_default(value: Any) -> Any:

@@ -87,6 +87,15 @@ def sampled_stream(model: PreTrainedModel, n: int = STREAM_LENGTH, seed: int = 1
     return torch.tensor(tokens)
 
 
+def distinct_stream(n: int = STREAM_LENGTH, seed: int = 1) -> torch.Tensor:
+    """A stream [n] without a repeated token, so that no two keys of a layer are equal by construction.
+
+    A repeated token has bitwise-equal layer-0 keys; the policies that rank keys themselves (knorm,
+    keydiff, lagkv) then tie, and float rounding, not recency, decides (docs/semantics.md).
+    """
+    return torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(seed))[:n]
+
+
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, PreTrainedModel]:
     return {arch: tiny_model(arch) for arch in ARCHITECTURES}

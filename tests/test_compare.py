@@ -5,15 +5,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from scipy import stats
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/ is a folder of scripts
 
 from experiments import compare
 from experiments.collect import collect, load_runs, write_csv

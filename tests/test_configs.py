@@ -66,7 +66,7 @@ def check_run_config(cfg: DictConfig) -> None:
     OmegaConf.to_container(OmegaConf.masked_copy(cfg, run_keys), resolve=True, throw_on_missing=True)
     assert cfg.policy.name in POLICIES
     assert cfg.positions in POSITIONS and cfg.scope in SCOPES
-    make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk, seed=cfg.seed)
+    make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
 
 
 def test_config_groups_are_complete() -> None:

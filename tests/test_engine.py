@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import record_max
+from conftest import distinct_stream, record_max
 from omegaconf import OmegaConf
 
-from rmm.engine import StreamingEngine, record_future
-from rmm.future import RequestRecorder
-from rmm.integration import Rotary
-from rmm.policies import make_policy
+from rmm.engine import StreamingEngine
+from rmm.future import RequestRecorder, record_future
+from rmm.memory import POSITIONS
+from rmm.policies import Observation, make_policy
+from rmm.policies.knorm import KNorm
+from rmm.rotary import Rotary
 
 NLL_ATOL = 5e-6  # per token, fp32 (measured: 1.4e-6 for full, 2.2e-6 over the reference matrix)
 SMOLLM2_NLL_ATOL = 5e-5  # per token, 30 layers of fp32 on real weights (measured 1.5e-5)
@@ -82,13 +84,12 @@ def test_memory_does_not_grow_with_the_stream(tiny_models, name):
     def memory_bytes(n: int) -> int:
         tokens = torch.arange(n) % model.config.vocab_size
         policy = make_policy({"name": name, **({"lag": 4} if name == "rmm" else {})}, budget=16, chunk=8)
-        if name == "oracle":
-            policy.future = record_future(model, tokens, tau=0.02, context=64)
+        policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=64))
         seen = []
 
         def hook(memory, now, evicted):
             tensors = [memory.keys, memory.values, memory.key_pos, *memory.state.values()]
-            tensors += [memory.attn] if memory.attn is not None else []
+            tensors += [t for t in (memory.attn, memory.raw_keys) if t is not None]
             seen.append(sum(t.numel() * t.element_size() for t in tensors))
 
         StreamingEngine(model, policy).stream(tokens, on_boundary=hook)
@@ -117,8 +118,15 @@ def test_attended_counts_follow_the_budget(tiny_models, streams):
         ({"name": "window"}, 8, 16, "must not exceed budget"),
         ({"name": "rmm", "lag": 64}, 64, 1, "lag (64) must be smaller"),
         ({"name": "rmm", "lag": 60}, 64, 8, "budget - chunk + 1 = 57"),
-        ({"name": "rmm", "weight": "maybe"}, 64, 8, "policy.weight must be one of"),
-        ({"name": "rmm", "after_commit": "later"}, 64, 8, "policy.after_commit must be one of"),
+        ({"name": "rmm", "lag": 8, "weight": "maybe"}, 64, 8, "policy.weight must be one of"),
+        ({"name": "rmm", "lag": 8, "after_commit": "later"}, 64, 8, "policy.after_commit must be one of"),
+        ({"name": "rmm"}, 64, 8, "missing 1 required positional argument: 'lag'"),
+        ({"name": "snapkv", "window": 60}, 64, 8, "policy.window (60) must be smaller"),
+        ({"name": "snapkv", "kernel": 4}, 64, 8, "policy.kernel must be an odd integer"),
+        ({"name": "snapkv", "pooling": "median"}, 64, 8, "policy.pooling must be one of"),
+        ({"name": "lru", "tau": 0.0}, 64, 8, "policy.tau must be > 0"),
+        ({"name": "lagkv", "partition": 1}, 64, 8, "policy.partition must be >= 2"),
+        ({"name": "lagkv", "partition": 28}, 64, 8, "policy.sinks + 2 * policy.partition - 1 (59)"),
         ({"name": "h2o", "rho": 1.0}, 64, 8, "policy.rho must be in [0, 1)"),
         ({"name": "random", "rho": -0.1}, 64, 8, "policy.rho must be in [0, 1)"),
         ({"name": "oracle", "variant": "psychic"}, 64, 8, "policy.variant must be one of"),
@@ -142,3 +150,67 @@ def test_bad_stream_input_is_explained(tiny_models):
         )
     with pytest.raises(ValueError, match="oracle.tau must be > 0"):
         RequestRecorder(tau=0.0)
+
+
+def test_observation_names_the_missing_need():
+    obs = Observation(torch.zeros(1, 1, 2, dtype=torch.long), torch.arange(2))
+    with pytest.raises(AttributeError, match="add 'keys' to the policy's `needs`"):
+        _ = obs.keys
+    with pytest.raises(AttributeError, match="add 'outcomes'"):
+        _ = obs.prob
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_observed_keys_and_queries_are_unrotated(tiny_models, arch):
+    """Keys and queries handed to a policy are pre-RoPE: at layer 0 (where they depend on the token
+    only) equal under both position modes, and equal to the model's keys rotated back."""
+    model, tokens = tiny_models[arch], distinct_stream()  # repeated tokens would tie knorm's ranking
+    seen = {}
+
+    class Probe(KNorm):
+        needs = frozenset({"keys", "values", "queries"})
+
+        def observe(self, state, obs):
+            seen.setdefault(self.mode, []).append(
+                (obs.key_pos.clone(), obs.keys.clone(), obs.queries.clone())
+            )
+
+    for mode in POSITIONS:
+        probe = Probe(budget=12, chunk=4)
+        probe.mode = mode
+        engine = StreamingEngine(model, probe, positions=mode)
+        memory = engine.new_memory(tokens.numel(), record_attention=False)
+        assert memory.attn is None, "an attention-free policy must not record attention"
+        engine.stream(tokens)
+    for (pos_o, keys_o, queries_o), (pos_c, keys_c, queries_c) in zip(*seen.values(), strict=True):
+        assert torch.equal(pos_o[0], pos_c[0])
+        valid = pos_o[0] >= 0
+        torch.testing.assert_close(keys_o[0][valid], keys_c[0][valid], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(queries_o[0], queries_c[0], atol=1e-5, rtol=1e-5)
+    # the first chunk's keys against a plain eager pass, rotated back by the models' own RoPE
+    model.set_attn_implementation("eager")
+    out = model(tokens[None, :4], use_cache=True)
+    rotary = Rotary(model)
+    model_keys = out.past_key_values.layers[0].keys[0]  # [H, 4, D], rotated at 0..3
+    first_pos, first_keys, _ = seen["original"][0]  # the first chunk: slots R.. hold positions 0..3
+    filled = first_pos[0, 0] >= 0
+    assert torch.equal(first_pos[0, 0, filled], torch.arange(4))
+    expected = rotary.rotate(model_keys, -torch.arange(4))
+    torch.testing.assert_close(first_keys[0][:, filled], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_free_policies_keep_the_fused_path(tiny_models):
+    """Only policies that declare attention make the memory record probabilities (the eager path)."""
+    model = tiny_models["llama"]
+    for name, params in [
+        ("knorm", {}),
+        ("keydiff", {}),
+        ("lagkv", {"partition": 2, "sinks": 0}),
+        ("h2o", {}),
+    ]:
+        policy = make_policy({"name": name, **params}, budget=12, chunk=4)
+        memories = []
+        StreamingEngine(model, policy).stream(
+            torch.arange(10), on_boundary=lambda m, *_, seen=memories: seen.append(m)
+        )
+        assert (memories[0].attn is not None) == (name == "h2o"), name

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import nbformat
 import numpy as np
 import pandas as pd
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/ is a folder of scripts
 
 from experiments import collect as collect_cli
 from experiments import figures

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import functools
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import record_max
+from conftest import distinct_stream, record_max
 
-from rmm.engine import StreamingEngine, record_future
-from rmm.policies import make_policy
-from rmm.reference import ReferenceSpec, reference_attention, reference_stream
+from rmm.engine import StreamingEngine
+from rmm.future import record_future
+from rmm.policies import POLICIES, make_policy
+from rmm.reference import POSITION_RULES, SCORE_POLICIES, ReferenceSpec, reference_attention, reference_stream
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt_neox"]
 BUDGET = 8
@@ -39,9 +41,18 @@ CASES = [
     ("random", {"seed": 3}),
     ("oracle", {}),
     ("oracle", {"variant": "future_mass"}),
+    ("observed_attention", {}),
+    ("observed_attention", {"rho": 0.25}),
+    ("snapkv", {"window": 2, "kernel": 3, "pooling": "avg"}),
+    ("snapkv", {"window": 3, "kernel": 5, "pooling": "max"}),
+    ("knorm", {}),
+    ("keydiff", {}),
+    ("lru", {}),
+    ("lru", {"tau": 0.2}),
+    ("lagkv", {"partition": 2, "sinks": 1}),
+    ("lagkv", {"partition": 3, "sinks": 0}),
 ]
 CASE_IDS = [f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CASES]
-POSITION_RULES = ("full", "window", "streaming_llm")
 
 
 def run_engine(
@@ -58,8 +69,7 @@ def run_engine(
     context=1024,
 ):
     policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
-    if name == "oracle":
-        policy.future = record_future(model, tokens, tau=0.02, context=context)
+    policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=context))
     engine = StreamingEngine(model, policy, positions=positions, scope=scope)
     return engine.stream(tokens, observer=observer, on_boundary=on_boundary)
 
@@ -79,10 +89,13 @@ def retained_sets(model, tokens, name, params, **kwargs) -> tuple:
 @functools.cache
 def reference(arch: str, name: str, frozen: tuple, chunk: int, positions: str, scope: str = "head"):
     """(nll, correct, retained_log) of the reference, cached across tests; position rules ignore C."""
-    from conftest import sampled_stream, tiny_model
+    from conftest import distinct_stream, sampled_stream, tiny_model
 
     model, params = _MODELS.setdefault(arch, tiny_model(arch)), dict(frozen)
-    tokens = _STREAMS.setdefault(arch, sampled_stream(model))
+    if ranks_keys(name):
+        tokens = distinct_stream()
+    else:
+        tokens = _STREAMS[arch] if arch in _STREAMS else _STREAMS.setdefault(arch, sampled_stream(model))
     spec = ReferenceSpec(policy=name, budget=BUDGET, chunk=chunk, positions=positions, scope=scope, **params)
     nll, correct = reference_stream(model, tokens, spec)
     return nll, correct, spec.retained_log
@@ -90,6 +103,27 @@ def reference(arch: str, name: str, frozen: tuple, chunk: int, positions: str, s
 
 _MODELS: dict = {}
 _STREAMS: dict = {}
+
+
+def ranks_keys(name: str) -> bool:
+    """Policies that rank keys themselves run on a stream without a repeated token (distinct_stream)."""
+    return "keys" in POLICIES[name].needs
+
+
+def test_every_policy_has_a_config_a_reference_rule_and_a_case():
+    assert set(POLICIES) <= set(POSITION_RULES) | set(SCORE_POLICIES), "a policy lacks a reference rule"
+    assert set(POLICIES) <= {name for name, _ in CASES}, "a policy is missing from the reference matrix"
+    configs = {path.stem for path in (Path(__file__).resolve().parents[1] / "conf" / "policy").glob("*.yaml")}
+    assert set(POLICIES) <= configs, "a policy lacks conf/policy/<name>.yaml"
+
+
+def fits(name: str, params: dict, chunk: int) -> bool:
+    """Whether the case is a valid policy at this chunk (a protected window must leave room to rank)."""
+    try:
+        make_policy({"name": name, **params}, budget=BUDGET, chunk=chunk)
+    except ValueError:
+        return False
+    return True
 
 
 def check_against_reference(model, tokens, arch, name, params, chunk, positions, scope="head"):
@@ -117,7 +151,7 @@ def matrix():
             variant = (arch, name) in seen
             seen.add((arch, name))
             for chunk in CHUNKS:
-                if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
+                if not fits(name, params, chunk):
                     continue
                 slow = arch in ("qwen2", "mistral") or (arch == "gpt_neox" and (variant or chunk == 4))
                 yield pytest.param(
@@ -132,8 +166,9 @@ def matrix():
 
 @pytest.mark.parametrize(("arch", "name", "params", "chunk"), matrix())
 def test_engine_matches_reference(tiny_models, streams, arch, name, params, chunk):
+    tokens = distinct_stream() if ranks_keys(name) else streams[arch]
     for positions in POSITIONS:
-        check_against_reference(tiny_models[arch], streams[arch], arch, name, params, chunk, positions)
+        check_against_reference(tiny_models[arch], tokens, arch, name, params, chunk, positions)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
@@ -151,10 +186,15 @@ def test_engine_matches_reference(tiny_models, streams, arch, name, params, chun
         ("random", {}),
         ("oracle", {}),
         ("oracle", {"variant": "future_mass"}),
+        ("observed_attention", {}),
+        ("lru", {}),
+        ("keydiff", {}),
+        ("lagkv", {"partition": 2, "sinks": 1}),
     ],
 )
 def test_shared_scope_matches_reference(tiny_models, streams, arch, scope, positions, name, params):
-    sets = check_against_reference(tiny_models[arch], streams[arch], arch, name, params, 2, positions, scope)
+    tokens = distinct_stream() if ranks_keys(name) else streams[arch]
+    sets = check_against_reference(tiny_models[arch], tokens, arch, name, params, 2, positions, scope)
     for engine_set in sets.values():
         layers = engine_set if scope == "layer" else [sum(engine_set, [])]
         assert all(head == layer[0] for layer in layers for head in layer), "heads must share one set"
@@ -204,8 +244,8 @@ def test_budget_beyond_stream_equals_full(tiny_models, streams, name, params):
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_budget_and_permanent_eviction(tiny_models, streams, name, params, chunk):
     """|R_t| <= B for every query, and once a position leaves R it never returns."""
-    if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
-        pytest.skip("lag does not fit this chunk")
+    if not fits(name, params, chunk):
+        pytest.skip("the case does not fit this chunk")
     seen_by: dict[tuple[int, int, int], list[int]] = {}  # (layer, head, key) -> queries that attended it
 
     def observer(attn, key_pos, query_pos):

@@ -7,17 +7,14 @@ import logging
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/ is a folder of scripts
-
 from experiments.collect import collect
-from rmm import storage
+from rmm import files, storage
 from rmm.storage import (
     atomic_write_text,
     environment_info,
@@ -144,7 +141,7 @@ def test_atomic_write_failure_keeps_old_content(tmp_path: Path, monkeypatch: pyt
     def failing_replace(src: str, dst: str) -> None:
         raise OSError("rename failed")
 
-    monkeypatch.setattr(storage.os, "replace", failing_replace)
+    monkeypatch.setattr(files.os, "replace", failing_replace)
     with pytest.raises(OSError):
         atomic_write_text(target, "new")
     assert target.read_text() == "old"

@@ -15,8 +15,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/ is a folder of scripts
-
 from experiments.collect import collect
 from rmm.storage import CONFIG_FILE, METRICS_FILE, TOKENS_FILE, read_metrics, read_tokens
 

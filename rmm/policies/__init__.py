@@ -5,38 +5,55 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rmm.policies.base import Policy, QueryBatch
+from rmm.policies.base import NEEDS, Observation, Policy, ReferencePass
 from rmm.policies.full import Full
 from rmm.policies.h2o import H2O
+from rmm.policies.keydiff import KeyDiff
+from rmm.policies.knorm import KNorm
+from rmm.policies.lagkv import LagKV
+from rmm.policies.lru import LRU
+from rmm.policies.observed_attention import ObservedAttention
 from rmm.policies.oracle import Oracle
 from rmm.policies.random_subset import RandomSubset
 from rmm.policies.rmm import RMM
+from rmm.policies.snapkv import SnapKV
 from rmm.policies.streaming_llm import StreamingLLM
 from rmm.policies.tova import TOVA
 from rmm.policies.window import Window
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, Window, StreamingLLM, H2O, RMM, TOVA, RandomSubset, Oracle)
+    cls.name: cls
+    for cls in (
+        Full,
+        Window,
+        StreamingLLM,
+        H2O,
+        RMM,
+        TOVA,
+        RandomSubset,
+        Oracle,
+        ObservedAttention,
+        SnapKV,
+        KNorm,
+        KeyDiff,
+        LRU,
+        LagKV,
+    )
 }
 
 _NOT_PARAMETERS = {"name", "tag"}
 
 
-def make_policy(cfg: Mapping[str, Any], budget: int | None, chunk: int, seed: int = 0) -> Policy:
-    """Build a policy from its config node (``name`` plus parameters); budget is ignored by ``full``."""
+def make_policy(cfg: Mapping[str, Any], budget: int | None, chunk: int) -> Policy:
+    """Build a policy from its config node (``name`` plus parameters)."""
     name = cfg["name"]
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}")
-    cls = POLICIES[name]
     params = {k: v for k, v in cfg.items() if k not in _NOT_PARAMETERS}
-    if cls is RandomSubset:
-        params.setdefault("seed", seed)
-    if cls is Full:
-        budget = None
     try:
-        return cls(budget=budget, chunk=chunk, **params)
+        return POLICIES[name](budget=budget, chunk=chunk, **params)
     except TypeError as err:
         raise ValueError(f"bad parameters for policy {name!r}: {err}") from err
 
 
-__all__ = ["POLICIES", "Policy", "QueryBatch", "make_policy"]
+__all__ = ["NEEDS", "POLICIES", "Observation", "Policy", "ReferencePass", "make_policy"]

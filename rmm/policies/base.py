@@ -1,53 +1,121 @@
-"""The policy interface: pure tensor logic over slot positions and slot statistics.
+"""The policy interface: pure tensor logic over slot positions and what a chunk let the policy observe.
 
-Shapes use L layers, H KV heads, S candidate slots, Q queries of the current chunk. A slot whose
-position is -1 is empty. Two families exist:
+Shapes use L layers, H KV heads, G query heads per KV head, S candidate slots, Q queries of the current
+chunk and D the head dimension. A slot whose position is -1 is empty. Two families exist:
 
 - position rules (``per_query = True``): ``allowed`` says, for every query, which positions it may see;
   the engine applies it per query, so the result does not depend on the chunk size.
-- score-based policies: at each chunk boundary the engine keeps the ``capacity = B - C + 1`` valid
-  slots with the highest ``score`` (ties go to the more recent position). ``observe`` updates
-  per-slot statistics (``state``) from the chunk's attention probabilities.
+- score-based policies: after every chunk the engine hands the policy one :class:`Observation` holding
+  exactly what its ``needs`` declare; ``observe`` may fold it into per-slot statistics (``state``, one
+  [L, H, S] tensor per name in ``state_names``, moved with the slots when the memory compacts). At
+  each chunk boundary the engine keeps the ``capacity = B - C + 1`` valid slots with the highest
+  ``score`` (ties go to the more recent position).
+
+Attention probabilities are opt-in: a policy that does not need them lets the engine keep PyTorch's
+fused scaled-dot-product attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+if TYPE_CHECKING:
+    from rmm.future import FutureRequests
+
 NEVER = float("inf")
 
+# what a policy may declare in ``needs``
+NEEDS = ("attention", "keys", "values", "queries", "outcomes")
 
-@dataclass
-class QueryBatch:
-    """What the engine knows about the chunk's queries once their logits are computed.
+# the oracle's reference pass for a document: tokens [n] -> recorded future requests
+ReferencePass = Callable[[torch.Tensor], "FutureRequests"]
 
-    positions : [Q] original positions s of the queries.
-    correct : [Q] 1.0 where argmax p(. | s) == x_{s+1}, else 0.0 (0.0 for the document's last token).
-    prob : [Q] p(x_{s+1} | s) (0.0 for the document's last token).
+
+class Observation:
+    """What one chunk lets a policy see, over the chunk's candidate slots (retained slots, then the chunk).
+
+    Always present:
+
+    key_pos : [L, H, S] long, original positions of the candidate slots (-1 empty).
+    query_pos : [Q] long, original positions s of the chunk's queries.
+
+    Present only when the policy's ``needs`` name them (reading another raises a clear error):
+
+    attention (``attention``) : [L, H, Q, S] float32, a_s(j): attention probabilities of the chunk's
+        queries, summed over the query heads of each KV head's group; 0 where s cannot see j.
+    keys (``keys``) : [L, H, S, D], **unrotated** (pre-RoPE) keys, whatever ``positions`` is, so they
+        do not depend on the position mode. Channels past the model's rotary dimension (GPT-NeoX's
+        partial rotary) are as the model produced them.
+    values (``values``) : [L, H, S, D].
+    queries (``queries``) : [L, H, G, Q, D], **unrotated** (pre-RoPE) queries of the chunk.
+    correct, prob, nll (``outcomes``) : [Q] float32, per query s: 1.0 where argmax p(. | s) = x_{s+1},
+        p(x_{s+1} | s), and -log p(x_{s+1} | s); 0.0, 0.0 and 0.0 for the document's last query (no
+        target).
     """
 
-    positions: torch.Tensor
+    key_pos: torch.Tensor
+    query_pos: torch.Tensor
+    attention: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
     correct: torch.Tensor
     prob: torch.Tensor
+    nll: torch.Tensor
+
+    _NEED_OF = {
+        "attention": "attention",
+        "keys": "keys",
+        "values": "values",
+        "queries": "queries",
+        "correct": "outcomes",
+        "prob": "outcomes",
+        "nll": "outcomes",
+    }
+
+    def __init__(self, key_pos: torch.Tensor, query_pos: torch.Tensor, **fields: torch.Tensor):
+        unknown = set(fields) - set(self._NEED_OF)
+        if unknown:
+            raise TypeError(f"unknown observation fields {sorted(unknown)}")
+        self.key_pos, self.query_pos = key_pos, query_pos
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:  # only called for fields that were not filled in
+        if name in self._NEED_OF:
+            raise AttributeError(
+                f"the observation has no {name!r}: add {self._NEED_OF[name]!r} to the policy's `needs`"
+            )
+        raise AttributeError(name)
 
 
 @dataclass
 class Policy:
-    """Base class. ``budget`` is B (None for unbounded), ``chunk`` is C."""
+    """Base class. ``budget`` is B (None for unbounded), ``chunk`` is C.
+
+    Class attributes a policy sets: ``name`` (its registry and config name), ``per_query`` (position
+    rule), ``needs`` (a subset of :data:`NEEDS`), ``state_names`` (per-slot statistics it keeps),
+    ``scope_reduce`` (``sum`` or ``max``: how scores combine when heads or layers share one set).
+    """
 
     budget: int | None
     chunk: int
 
     name: ClassVar[str] = ""
     per_query: ClassVar[bool] = False
-    needs_attention: ClassVar[bool] = False
+    needs: ClassVar[frozenset[str]] = frozenset()
+    needs_reference: ClassVar[bool] = False  # calls the reference pass in ``prepare``
     state_names: ClassVar[tuple[str, ...]] = ()
-    scope_reduce: ClassVar[str] = "sum"  # how scores combine when heads/layers share one set
+    scope_reduce: ClassVar[str] = "sum"
 
     def __post_init__(self) -> None:
+        unknown = set(self.needs) - set(NEEDS)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.needs has unknown entries {sorted(unknown)}; use {NEEDS}")
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.budget is None:
@@ -67,20 +135,38 @@ class Policy:
 
     @property
     def protected(self) -> int:
-        """Number of most recent positions that are never ranked (a provisional buffer); 0 by default."""
+        """Number of most recent positions that are never ranked (a recent window); 0 by default."""
         return 0
+
+    @property
+    def sink_positions(self) -> int:
+        """Position rules: the first positions that stay visible however old they are (attention sinks).
+
+        With ``positions=cache`` their rank differs from their original distance, which the attention
+        function corrects per query. 0 by default.
+        """
+        return 0
+
+    def metric_fields(self) -> dict[str, Any]:
+        """Top-level metrics this policy contributes to ``metrics.json`` (``lag``: rmm's H, else None)."""
+        return {"lag": None}
+
+    def prepare(self, tokens: torch.Tensor, reference: ReferencePass) -> None:
+        """Called once per stream ``tokens`` [n] before it is streamed; ``reference(tokens)`` runs the
+        reference pass (only policies with ``needs_reference`` may call it)."""
 
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """Position rule: bool [..., Q, S] for queries [Q] over keys [..., S] (per-query policies)."""
         raise NotImplementedError
 
-    def observe(
-        self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor, queries: QueryBatch
-    ) -> None:
-        """Update ``state`` ([L, H, S] each) in place from attention ``attn`` [L, H, Q, S]."""
+    def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
+        """Update ``state`` ([L, H, S] each) in place from the chunk's observation."""
 
-    def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:
-        """Retention priority [L, H, S] at boundary ``now`` (the next query's position); higher keeps."""
+    def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
+        """Retention priority [L, H, S] at boundary ``now`` (the next query's position); higher keeps.
+
+        ``obs`` is the observation of the chunk that just ended (its candidates are the slots ranked).
+        """
         raise NotImplementedError
 
 
@@ -100,6 +186,15 @@ class RecentRatioPolicy(Policy):
         return int(self.rho * self.capacity)
 
 
+def check_protected(name: str, value: int, capacity: int) -> None:
+    """A recent window of ``value`` positions must leave room to rank at a boundary of ``capacity``."""
+    if value >= capacity:
+        raise ValueError(
+            f"{name} ({value}) must be smaller than the room at a boundary, budget - chunk + 1 = "
+            f"{capacity}; lower {name} or chunk, or raise budget"
+        )
+
+
 def protect_recent(scores: torch.Tensor, key_pos: torch.Tensor, now: int, recent: int) -> torch.Tensor:
     """Give the ``recent`` most recent positions (``now - recent <= j``) infinite priority."""
     return torch.where(key_pos >= now - recent, torch.full_like(scores, NEVER), scores)
@@ -108,3 +203,15 @@ def protect_recent(scores: torch.Tensor, key_pos: torch.Tensor, now: int, recent
 def weighted_attention(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sum_s attn[..., s, j] * weight[s]: attn [L, H, Q, S], weight [Q] -> [L, H, S]."""
     return (attn * weight[:, None]).sum(dim=-2)
+
+
+def seen_count(obs: Observation) -> torch.Tensor:
+    """Number of the chunk's queries that saw each candidate slot (causal: s >= j): [L, H, S] float32."""
+    seen = obs.query_pos[:, None] >= obs.key_pos[..., None, :]  # [L, H, Q, S]
+    return (seen & (obs.key_pos[..., None, :] >= 0)).sum(dim=-2).float()
+
+
+def position_order(key_pos: torch.Tensor) -> torch.Tensor:
+    """Slot indices [L, H, S] sorting the candidates by position, oldest first, empty slots last."""
+    last = torch.full_like(key_pos, torch.iinfo(torch.long).max)
+    return torch.argsort(torch.where(key_pos >= 0, key_pos, last), dim=-1, stable=True)

@@ -1,4 +1,4 @@
-"""full: every past position is visible, R_t = {0..t-1} (no budget)."""
+"""full: every past position is visible, R_t = {0..t-1} (no budget: a given budget is ignored)."""
 
 from dataclasses import dataclass
 
@@ -13,8 +13,8 @@ class Full(Policy):
     per_query = True
 
     def __post_init__(self) -> None:
-        if self.chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        self.budget = None
+        super().__post_init__()
 
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         return torch.ones(

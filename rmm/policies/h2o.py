@@ -9,19 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import QueryBatch, RecentRatioPolicy, protect_recent, weighted_attention
+from rmm.policies.base import Observation, RecentRatioPolicy, protect_recent
 
 
 @dataclass
 class H2O(RecentRatioPolicy):
     name = "h2o"
-    needs_attention = True
+    needs = frozenset({"attention"})
     state_names = ("acc",)
 
-    def observe(
-        self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor, queries: QueryBatch
-    ) -> None:
-        state["acc"] += weighted_attention(attn, torch.ones_like(queries.prob))
+    def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
+        state["acc"] += obs.attention.sum(dim=-2)
 
-    def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:
-        return protect_recent(state["acc"].clone(), key_pos, now, self.protected)
+    def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
+        return protect_recent(state["acc"].clone(), obs.key_pos, now, self.protected)

@@ -1,16 +1,22 @@
 """oracle (Belady, lag = infinity): evict what is requested furthest in the future.
 
-Future requests come from a reference pass (:mod:`rmm.future`): key j is requested by query s when
-the reference attention a*_s(j) >= tau. ``next_use`` evicts the candidates whose next request is
-latest (never-requested first); ``future_mass`` keeps the top by remaining reference attention mass.
+Future requests come from the reference pass (:mod:`rmm.future`), which :meth:`Oracle.prepare` runs
+once per stream: key j is requested by query s when the reference attention a*_s(j) >= tau.
+``next_use`` evicts the candidates whose next request is latest (never-requested first);
+``future_mass`` keeps the top by remaining reference attention mass.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from rmm.future import FutureRequests
-from rmm.policies.base import Policy
+from rmm.policies.base import Observation, Policy, ReferencePass
+
+if TYPE_CHECKING:
+    from rmm.future import FutureRequests
 
 VARIANTS = ("next_use", "future_mass")
 
@@ -18,9 +24,10 @@ VARIANTS = ("next_use", "future_mass")
 @dataclass
 class Oracle(Policy):
     variant: str = "next_use"
-    future: FutureRequests | None = field(default=None, repr=False)
+    future: FutureRequests | None = field(default=None, init=False, repr=False)
 
     name = "oracle"
+    needs_reference = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -32,9 +39,12 @@ class Oracle(Policy):
         """A shared set serves whichever head needs the key soonest; masses add up."""
         return "max" if self.variant == "next_use" else "sum"
 
-    def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:
+    def prepare(self, tokens: torch.Tensor, reference: ReferencePass) -> None:
+        self.future = reference(tokens)
+
+    def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         if self.future is None:
-            raise RuntimeError("oracle needs the reference pass's FutureRequests for this document")
+            raise RuntimeError("oracle.prepare(tokens, reference) must run before the stream")
         if self.variant == "future_mass":
-            return self.future.remaining_mass(key_pos, now)
-        return -self.future.next_request(key_pos, now).float()
+            return self.future.remaining_mass(obs.key_pos, now)
+        return -self.future.next_request(obs.key_pos, now).float()

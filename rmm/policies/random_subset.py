@@ -1,14 +1,15 @@
 """random: a recent window plus a seeded, uniformly random subset of older positions.
 
-Each (layer, head, position) gets a fixed pseudo-random priority from a hash of the seed, so the
-choice is reproducible, independent of the chunk size, and eviction stays permanent.
+Each (layer, head, position) gets a fixed pseudo-random priority from a hash of ``seed`` (the run's
+``seed``, through ``conf/policy/random.yaml``), so the choice is reproducible, independent of the chunk
+size, and eviction stays permanent.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import RecentRatioPolicy, protect_recent
+from rmm.policies.base import Observation, RecentRatioPolicy, protect_recent
 
 _MASK52 = (1 << 52) - 1
 
@@ -32,5 +33,6 @@ class RandomSubset(RecentRatioPolicy):
 
     name = "random"
 
-    def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:
-        return protect_recent(hashed_uniform(self.seed, key_pos).float(), key_pos, now, self.protected)
+    def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
+        priority = hashed_uniform(self.seed, obs.key_pos).float()
+        return protect_recent(priority, obs.key_pos, now, self.protected)

@@ -24,6 +24,10 @@ class StreamingLLM(Policy):
                 f"set budget > {self.sinks} or lower policy.sinks"
             )
 
+    @property
+    def sink_positions(self) -> int:
+        return self.sinks
+
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         recent = key_pos[..., None, :] >= query_pos[:, None] - (self.budget - self.sinks)
         return recent | (key_pos[..., None, :] < self.sinks)

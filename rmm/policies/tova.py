@@ -4,19 +4,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Policy, QueryBatch
+from rmm.policies.base import Observation, Policy
 
 
 @dataclass
 class TOVA(Policy):
     name = "tova"
-    needs_attention = True
-    state_names = ("last",)
+    needs = frozenset({"attention"})
 
-    def observe(
-        self, state: dict[str, torch.Tensor], attn: torch.Tensor, key_pos: torch.Tensor, queries: QueryBatch
-    ) -> None:
-        state["last"].copy_(attn[:, :, -1, :])
-
-    def score(self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: int) -> torch.Tensor:
-        return state["last"].clone()
+    def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
+        return obs.attention[:, :, -1, :].clone()

@@ -1,0 +1,1 @@
+"""Experiment scripts: benchmark, collection of run directories, figures (runnable as scripts)."""

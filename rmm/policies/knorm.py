@@ -1,0 +1,21 @@
+"""knorm: keep the keys with the smallest L2 norm (attention-free, no protected window).
+
+score_j = -||k_j||_2 over every candidate j, so the B' keys of smallest norm are kept (low-norm keys
+tend to draw high attention). RoPE is a rotation, so the norm is the same for rotated and unrotated
+keys. The policy never needs attention probabilities, so the engine keeps its fused attention path.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from rmm.policies.base import Observation, Policy
+
+
+@dataclass
+class KNorm(Policy):
+    name = "knorm"
+    needs = frozenset({"keys"})
+
+    def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
+        return -torch.linalg.vector_norm(obs.keys.float(), dim=-1)

@@ -1,0 +1,89 @@
+"""lagkv: LagKV's attention-free fixed-lag scorer; each partition is judged by the one that follows it.
+
+After the first ``sinks`` positions of the stream (always kept, as in LagKV), positions are cut into
+partitions of P = ``partition`` consecutive positions: partition k holds [S + kP, S + (k + 1)P). When
+partition k + 1 is complete (S + (k + 2)P tokens have arrived), every j of partition k is scored once,
+against partition k + 1 as reference: with x = k_j (unrotated key) or v_j, and min_c, max_c over the P
+positions of partition k + 1,
+
+    x'_c = (x_c - min_c) / max(max_c - min_c, 1e-6)
+    sigma(x) = std_c x'_c            (over the D channels, unbiased)
+    score_j = softmax_{i in k} sigma(k_i) [j] + softmax_{i in k} sigma(v_i) [j]
+
+(softmax over the P positions of partition k, so every partition spends the same total score). The
+score then stays fixed. Positions not yet scored (the newest P to 2P - 1) are always kept, so both
+partitions are whole when they are scored; this needs sinks + 2P - 1 < B'. A token whose channels
+stray from the range of its successors carries information they do not: like rmm's lag, each token
+is judged by what follows it, here without attention.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from rmm.policies.base import NEVER, Observation, Policy, check_protected, position_order
+
+EPS = 1e-6
+
+
+@dataclass
+class LagKV(Policy):
+    partition: int = 16
+    sinks: int = 4
+
+    name = "lagkv"
+    needs = frozenset({"keys", "values"})
+    state_names = ("lag_score",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.partition < 2:
+            raise ValueError(
+                f"policy.partition must be >= 2 (min and max need two values), got {self.partition}"
+            )
+        if self.sinks < 0:
+            raise ValueError(f"policy.sinks must be >= 0, got {self.sinks}")
+        if self.budget is not None:
+            check_protected(
+                "policy.sinks + 2 * policy.partition - 1", self.sinks + 2 * self.partition - 1, self.capacity
+            )
+
+    @property
+    def protected(self) -> int:
+        """The newest positions are unscored: between P and 2P - 1 of them (the upper bound)."""
+        return 2 * self.partition - 1
+
+    def scored_partitions(self, tokens: int) -> int:
+        """How many partitions are scored once ``tokens`` tokens have arrived (their successor is whole)."""
+        return max(0, (tokens - self.sinks) // self.partition - 1)
+
+    def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
+        """Score the partitions whose successor the chunk completed."""
+        start, now = int(obs.query_pos[0]), int(obs.query_pos[-1]) + 1
+        first, stop = self.scored_partitions(start), self.scored_partitions(now)
+        if stop <= first:
+            return
+        size = self.partition
+        begin = self.sinks + first * size  # positions [begin, now) are all candidates: none was scored yet
+        n_valid = int((obs.key_pos[0, 0] >= 0).sum())
+        window = position_order(obs.key_pos)[..., n_valid - (now - begin) :][..., : (stop - first + 1) * size]
+        total = _spread_softmax(obs.keys, window, size) + _spread_softmax(obs.values, window, size)
+        state["lag_score"].scatter_(-1, window[..., : (stop - first) * size], total)
+
+    def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
+        unscored = self.sinks + self.scored_partitions(now) * self.partition
+        keep = (obs.key_pos < self.sinks) | (obs.key_pos >= unscored)
+        return torch.where(keep, torch.full_like(state["lag_score"], NEVER), state["lag_score"])
+
+
+def _spread_softmax(x: torch.Tensor, window: torch.Tensor, size: int) -> torch.Tensor:
+    """x [L, H, S, D]; window [L, H, (m + 1) * size] slots of m + 1 whole partitions, oldest first.
+
+    Returns the score part [L, H, m * size] of the first m partitions, each against the next one.
+    """
+    parts = torch.gather(x.float(), 2, window[..., None].expand(-1, -1, -1, x.shape[-1])).unflatten(
+        2, (-1, size)
+    )
+    low, high = torch.aminmax(parts[:, :, 1:], dim=-2, keepdim=True)  # [L, H, m, 1, D]
+    spread = ((parts[:, :, :-1] - low) / (high - low).clamp(min=EPS)).std(dim=-1)  # [L, H, m, P]
+    return torch.softmax(spread, dim=-1).flatten(2)
