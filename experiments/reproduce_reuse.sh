@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=results/cpu/reuse
-read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 decoys gap rmm_b128_freeze}"
+read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-refs rmm lags decoys decoys_uniform gap extra freeze b64 b64_rmm}"
 
 for sweep in "${SWEEPS[@]}"; do
     start=$(date +%s)

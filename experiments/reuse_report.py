@@ -36,7 +36,7 @@ from rmm.storage import atomic_write_text, read_tokens
 log = logging.getLogger(__name__)
 
 SETTING = ["dataset.n_records", "dataset.n_decoys", "dataset.echo_gap", "dataset.recall_gap"]
-MAIN = {"dataset.n_decoys": 6, "dataset.recall_gap": 384}  # the setting of reuse_cpu_baselines / rmm_b*
+MAIN = {"dataset.n_decoys": 4, "dataset.recall_gap": 192}  # the setting of reuse_cpu_refs, _rmm, _lags
 REFERENCES = {"full": "black", "window": "tab:gray", "h2o": "tab:blue", "oracle": "tab:green"}
 WEIGHT_COLORS = {"correct": "tab:red", "prob": "tab:orange", "uniform": "tab:purple"}
 
@@ -172,7 +172,8 @@ def recall_vs_decoys(frame: pd.DataFrame, out: Path) -> Path | None:
     """Recall NLL against the decoy fraction at B=128 (recall_gap of the main setting): h2o against rmm."""
     frame = frame.assign(decoy_fraction=decoy_fraction(frame))
     group = frame[(frame["dataset.recall_gap"] == MAIN["dataset.recall_gap"]) & (frame["budget"] == 128)]
-    group = pd.concat([group, frame[(frame["policy"] == "full") & (frame["dataset.recall_gap"] == 384)]])
+    full = frame[(frame["policy"] == "full") & (frame["dataset.recall_gap"] == MAIN["dataset.recall_gap"])]
+    group = pd.concat([group, full])
     group = with_labels(group.drop_duplicates("run_dir"))
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     drawn = 0
@@ -194,7 +195,7 @@ def recall_vs_decoys(frame: pd.DataFrame, out: Path) -> Path | None:
         return None
     ax.set_xlabel("decoy fraction (decoys / records)")
     ax.set_ylabel("recall NLL (nats per code token)")
-    ax.set_title("B=128, recall_gap 384", fontsize=9)
+    ax.set_title(f"B=128, recall_gap {MAIN['dataset.recall_gap']}", fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     fig.tight_layout()
     return _save(fig, out, "recall_vs_decoys")

@@ -40,13 +40,13 @@ CODE_SYMBOLS = string.ascii_uppercase
 ID_SYMBOLS = string.digits
 MIN_ALPHABET = 10
 DEFAULTS: dict[str, Any] = {
-    "n_records": 6,
-    "n_decoys": 6,
+    "n_records": 4,
+    "n_decoys": 4,
     "code_tokens": 4,
     "id_tokens": 2,
     "echo_gap": 32,
-    "recall_gap": 384,
-    "lead_tokens": 64,
+    "recall_gap": 192,
+    "lead_tokens": 32,
     "spacing": 8,
     "seed": 0,
 }

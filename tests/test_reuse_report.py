@@ -19,16 +19,16 @@ from tests.test_reuse import filler_dir, reuse_cfg, tok  # noqa: F401  (fixtures
 
 # (policy, budget, lag, weight, after_commit, n_decoys, recall NLL offset)
 RUNS = [
-    ("full", None, None, None, None, 6, 0.0),
-    ("h2o", 128, None, None, None, 6, 2.0),
-    ("oracle", 128, None, None, None, 6, 0.5),
-    ("rmm", 128, 16, "correct", "accumulate", 6, 1.5),
-    ("rmm", 128, 48, "correct", "accumulate", 6, 1.0),
-    ("rmm", 128, 16, "uniform", "accumulate", 6, 2.0),
-    ("rmm", 128, 48, "uniform", "accumulate", 6, 2.0),
-    ("h2o", 128, None, None, None, 18, 2.5),
-    ("rmm", 128, 48, "correct", "accumulate", 18, 1.2),
-    ("full", None, None, None, None, 18, 0.0),
+    ("full", None, None, None, None, 4, 0.0),
+    ("h2o", 128, None, None, None, 4, 2.0),
+    ("oracle", 128, None, None, None, 4, 0.5),
+    ("rmm", 128, 16, "correct", "accumulate", 4, 1.5),
+    ("rmm", 128, 48, "correct", "accumulate", 4, 1.0),
+    ("rmm", 128, 16, "uniform", "accumulate", 4, 2.0),
+    ("rmm", 128, 48, "uniform", "accumulate", 4, 2.0),
+    ("h2o", 128, None, None, None, 12, 2.5),
+    ("rmm", 128, 48, "correct", "accumulate", 12, 1.2),
+    ("full", None, None, None, None, 12, 0.0),
 ]
 
 
@@ -37,7 +37,7 @@ def study(tok, filler_dir, tmp_path) -> Path:  # noqa: F811
     root = tmp_path / "runs"
     rng = np.random.default_rng(0)
     for policy, budget, lag, weight, after, n_decoys, offset in RUNS:
-        cfg = reuse_cfg(filler_dir, n_decoys=n_decoys, recall_gap=384, n_records=6)
+        cfg = reuse_cfg(filler_dir, n_decoys=n_decoys, recall_gap=192, n_records=4)
         docs, _ = load_documents(cfg, tok, cache_dir=tmp_path / "cache")
         frames = []
         for doc in docs:
@@ -87,7 +87,7 @@ def test_report_writes_tables_and_figures(study: Path, tmp_path: Path) -> None:
     assert (runs["nll_recall_ci_low"] <= runs["nll_recall"]).all()
     assert (runs["nll_recall"] <= runs["nll_recall_ci_high"]).all()
     table = (out / "recall_table.md").read_text()
-    h2o = runs[(runs["policy"] == "h2o") & (runs["dataset.n_decoys"] == 6)].iloc[0]
+    h2o = runs[(runs["policy"] == "h2o") & (runs["dataset.n_decoys"] == 4)].iloc[0]
     assert f"{h2o['nll_recall']:.3f} [{h2o['nll_recall_ci_low']:.3f}" in table
     assert "decoy fraction 0.75" in table and "decoy fraction 0.50" in table
 
@@ -96,8 +96,8 @@ def test_recall_comparisons_pair_only_recall_tokens(study: Path) -> None:
     frame = reuse_report.recall_intervals(reuse_report.collect([study]))
     result = reuse_report.comparisons(frame, block=4)
     against_h2o = result[result["baseline"] == "policy=h2o"]
-    assert (against_h2o["n_tokens"] == 6 * 4 * 3).all()  # 6 true records x 4 code tokens x 3 streams
-    assert set(against_h2o["dataset.n_decoys"] if "dataset.n_decoys" in against_h2o else []) <= {6, 18}
+    assert (against_h2o["n_tokens"] == 4 * 4 * 3).all()  # 4 true records x 4 code tokens x 3 streams
+    assert set(against_h2o["dataset.n_decoys"] if "dataset.n_decoys" in against_h2o else []) <= {4, 12}
     correct48 = against_h2o["label"].str.contains("lag=48") & against_h2o["label"].str.contains("correct")
     rmm48 = against_h2o[correct48]
     assert len(rmm48) == 2 and (rmm48["delta_nll"] < 0).all()  # built with a lower recall NLL than h2o
