@@ -174,10 +174,11 @@ def main() -> None:
         engines[f"{name}/{positions}"] = engine = StreamingEngine(model, policy, positions=positions)
         engine.stream(tokens[: 2 * args.chunk + 1])  # warm-up
     best: dict[str, float] = {}
-    for _ in range(args.repeats):
+    for round_ in range(args.repeats):
         for key, engine in engines.items():
             seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
             best[key] = min(best.get(key, float("inf")), seconds)
+            print(f"  round {round_ + 1}: {key:28s} {(n - 1) / seconds:8.1f} tokens/s", flush=True)
     rates = {key: (n - 1) / seconds for key, seconds in best.items()}
     for key, rate in rates.items():
         name, positions = key.split("/")

@@ -188,3 +188,12 @@ def test_local_launcher(compose_cfg: Compose, tmp_path: Path) -> None:
     executor = submitit.AutoExecutor(cluster="local", folder=params.pop("submitit_folder"))
     executor.update_parameters(**params)
     assert executor._executor.parameters["gpus_per_node"] == 1
+
+
+def test_lag_is_defined_once_and_overridable_at_top_level(compose_cfg: Compose) -> None:
+    """`python run.py policy=rmm lag=64`: the top-level `lag` is the only default, rmm.yaml forwards it."""
+    cfg = compose_cfg("policy=rmm", "lag=64")
+    assert cfg.policy.lag == 64 and make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk).lag == 64
+    assert compose_cfg("policy=rmm").policy.lag == compose_cfg().lag
+    with pytest.raises(ValueError, match="missing 1 required positional argument: 'lag'"):
+        make_policy({"name": "rmm"}, budget=256, chunk=64)
