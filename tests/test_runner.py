@@ -140,6 +140,25 @@ def test_run_equals_direct_engine(tiny_setup, tmp_path, policy, arch, positions,
     assert_same_nll(tmp_path, direct_streams(cfg))
 
 
+def test_oracle_uses_each_documents_own_future(tiny_setup, tmp_path):
+    """run() matches fresh reference passes per document, and this test can tell: the first document's
+    future, reused for the next documents, would change their NLL."""
+    cfg = config(tiny_setup, "policy=oracle", "oracle.tau=0.1")  # sparse requests: few ties
+    run(cfg, tmp_path)
+    fresh = direct_streams(cfg)
+    assert_same_nll(tmp_path, fresh)
+    model, tokenizer = load_model(cfg.model, CPU, torch.float32)
+    docs, _ = load_documents(cfg.dataset, tokenizer)
+    first = record_future(model, docs[0].tokens, cfg.oracle.tau, docs[0].tokens.numel())
+    changed = []
+    for doc in docs[1:]:
+        policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
+        policy.prepare(doc.tokens, lambda stream: first)
+        reused = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope).stream(doc.tokens)
+        changed.append(not torch.equal(reused.nll, fresh[doc.doc_id]))
+    assert all(changed), "a reused future must change the later documents here"
+
+
 def test_oracle_windowed_context_through_the_runner(tiny_setup, tmp_path):
     cfg = config(tiny_setup, "policy=oracle", "oracle.context=6")
     metrics = run(cfg, tmp_path)
