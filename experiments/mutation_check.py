@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -173,6 +174,7 @@ def main() -> None:
         for name, count in counts.items():
             print(f"{name}: {'applies' if count == 1 else f'pattern found {count} times'}")
         sys.exit(0 if all(count == 1 for count in counts.values()) else 1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # still removes the copy
     with tempfile.TemporaryDirectory(prefix="rmm-mutants-") as tmp:
         copy = Path(tmp) / "repo"
         copy_repository(copy)
