@@ -49,7 +49,7 @@ CASES = [
     ("keydiff", {}),
     ("lru", {}),
     ("lru", {"tau": 0.2}),
-    ("lagkv", {"partition": 2, "sinks": 1}),
+    ("lagkv", {"partition": 3, "sinks": 1}),
     ("lagkv", {"partition": 3, "sinks": 0}),
 ]
 CASE_IDS = [f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CASES]
@@ -194,7 +194,7 @@ def test_engine_matches_reference(tiny_models, streams, arch, name, params, chun
         ("observed_attention", {}),
         ("lru", {}),
         ("keydiff", {}),
-        ("lagkv", {"partition": 2, "sinks": 1}),
+        ("lagkv", {"partition": 3, "sinks": 1}),
     ],
 )
 def test_shared_scope_matches_reference(tiny_models, streams, arch, scope, positions, name, params):
