@@ -69,6 +69,14 @@ def _setting_name(row: pd.Series) -> str:
     )
 
 
+def _short_setting(row: pd.Series) -> str:
+    """``reuse: 4 records + 4 decoys, recall_gap 192`` (one heading per setting in comparison.md)."""
+    return (
+        f"{row['dataset']}: {row['dataset.n_records']:g} records + {row['dataset.n_decoys']:g} decoys, "
+        f"recall_gap {row['dataset.recall_gap']:g}"
+    )
+
+
 def recall_table(frame: pd.DataFrame) -> str:
     """Markdown: per setting, one row per (budget, policy configuration)."""
     frame = with_labels(frame).assign(decoy_fraction=decoy_fraction(frame))
@@ -117,6 +125,7 @@ def comparisons(frame: pd.DataFrame, block: int) -> pd.DataFrame:
     """Paired comparisons on the recall tokens: against h2o, rmm weights against uniform, freeze against
     accumulate (each only where the baseline run exists)."""
     options = {"segment": "recall", "block": block}
+    frame = frame.assign(dataset=[_short_setting(row) for _, row in frame.iterrows()])
     parts = [compare_sweep(frame, "policy=h2o", **options)]
     rmm = frame[frame["policy"] == "rmm"]
     if not rmm.empty:

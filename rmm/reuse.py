@@ -147,14 +147,19 @@ def _offsets(spec: ReuseSpec, event_tokens: int) -> tuple[int, int]:
 
 
 def _period(spec: ReuseSpec, event_tokens: int, decoy: Sequence[bool]) -> int:
-    """Smallest record period P >= L + spacing at which any two events are >= spacing tokens apart."""
+    """Smallest record period P >= L + spacing at which events of different records are >= L + spacing apart
+    (start to start). A record's own events are as far apart as its gaps make them."""
     echo, recall = _offsets(spec, event_tokens)
     events = [(0, echo) if is_decoy else (0, echo, recall) for is_decoy in decoy]
     need = event_tokens + spec.spacing
     period = need
     while True:
-        starts = sorted(i * period + offset for i, offsets in enumerate(events) for offset in offsets)
-        if all(b - a >= need for a, b in zip(starts, starts[1:], strict=False)):
+        starts = sorted((i * period + offset, i) for i, offsets in enumerate(events) for offset in offsets)
+        if not any(
+            other != record and start - begin < need
+            for k, (begin, record) in enumerate(starts)
+            for start, other in starts[k + 1 : k + 8]  # a record has <= 3 events: 7 later ones suffice
+        ):
             return period
         period += 1
 

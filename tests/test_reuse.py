@@ -65,7 +65,7 @@ def check_stream(doc, cfg: dict, vocab: Vocabulary) -> None:
     n_events = 0
     event_tokens = doc.meta["event_tokens"]
     starts = []
-    for record in doc.meta["records"]:
+    for index, record in enumerate(doc.meta["records"]):
         cue = vocab.cue(record["id"])
         assert len(cue) + cfg["code_tokens"] == event_tokens
         kinds = [("intro", record["intro_start"], record["code"])]
@@ -81,14 +81,16 @@ def check_stream(doc, cfg: dict, vocab: Vocabulary) -> None:
             kinds.append(("recall", record["recall_start"], record["code"]))
         for segment, start, code in kinds:
             n_events += 1
-            starts.append(start)
+            starts.append((start, index))
             assert tokens[start : start + len(cue)].tolist() == cue
             assert tokens[start + len(cue) : start + event_tokens].tolist() == code
             assert set(segments[start : start + len(cue)]) == {"cue"}
             assert list(segments[start + len(cue) : start + event_tokens]) == [segment] * len(code)
     starts.sort()
-    assert all(b - a >= event_tokens + cfg["spacing"] for a, b in zip(starts, starts[1:], strict=False))
-    assert starts[0] == cfg["lead_tokens"]
+    for k, (a, first) in enumerate(starts):  # events never overlap; other records' keep the spacing
+        for b, second in starts[k + 1 :]:
+            assert b - a >= (event_tokens + cfg["spacing"] if first != second else event_tokens)
+    assert starts[0][0] == cfg["lead_tokens"]
     counts = Counter(segments)
     assert counts["cue"] == n_events * (event_tokens - cfg["code_tokens"])
     assert counts["recall"] == cfg["n_records"] * cfg["code_tokens"]
@@ -131,9 +133,11 @@ def test_generation_is_deterministic_and_seeded(tok, filler_dir, tmp_path) -> No
     assert first[0].meta["records"] != first[1].meta["records"]  # each stream its own generator
 
 
-@pytest.mark.parametrize("n_decoys", [0, 12])
-def test_decoy_fraction_and_concat(tok, filler_dir, tmp_path, n_decoys) -> None:
-    cfg = reuse_cfg(filler_dir, n_decoys=n_decoys)
+@pytest.mark.parametrize(
+    "overrides", [{"n_decoys": 0}, {"n_decoys": 12}, {"echo_gap": 0, "recall_gap": 0, "spacing": 20}]
+)
+def test_decoy_fraction_gaps_and_concat(tok, filler_dir, tmp_path, overrides) -> None:
+    cfg = reuse_cfg(filler_dir, **overrides)
     vocab = Vocabulary(tok)
     for doc in load(cfg, tok, tmp_path):
         check_stream(doc, cfg, vocab)
