@@ -14,7 +14,7 @@ from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
 from rmm.rotary import Rotary
 
-NLL_ATOL = 5e-6  # per token, fp32 (measured: 1.4e-6 for full, 2.2e-6 over the reference matrix)
+NLL_ATOL = 5e-6  # per token, fp32 (measured: 1.4e-6 for full, 2.4e-6 over the reference matrix)
 SMOLLM2_NLL_ATOL = 5e-5  # per token, 30 layers of fp32 on real weights (measured 1.5e-5)
 
 

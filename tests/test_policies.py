@@ -23,7 +23,7 @@ ARCHS = ["llama", "qwen2", "mistral", "gpt_neox"]
 BUDGET = 8
 CHUNKS = [1, 4, 5]  # 5 leaves a partial last chunk of the 24-token streams
 POSITIONS = ["original", "cache"]
-NLL_ATOL = 5e-6  # per-token NLL, fp32 engine vs reference; the measured maximum is 2.2e-6 (see README)
+NLL_ATOL = 5e-6  # per-token NLL, fp32 engine vs reference; the measured maximum is 2.4e-6 (see README)
 CASES = [
     ("full", {}),
     ("window", {}),
