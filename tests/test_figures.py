@@ -261,6 +261,7 @@ def test_committed_notebook_has_no_outputs() -> None:
         assert cell.outputs == [] and cell.execution_count is None
 
 
+@pytest.mark.slow  # starts a Jupyter kernel
 def test_notebook_runs_on_synthetic_results(
     runs_csv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_model as build_tiny_model
+from conftest import tiny_tokenizer
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rmm import models as rmm_models
 from rmm.models import (
@@ -30,12 +29,6 @@ from rmm.models import (
 
 CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
 CPU = torch.device("cpu")
-SENTENCES = [
-    "shall i compare thee to a summer's day",
-    "thou art more lovely and more temperate",
-    "rough winds do shake the darling buds of may",
-    "and summer's lease hath all too short a date",
-]
 TEXT = "Shall I compare thee to a lovely summer's day? 42"
 
 
@@ -99,22 +92,10 @@ def test_resolve_dtype_unknown() -> None:
 # --- source: local (tiny random models) -------------------------------------------------------------
 
 
-def _tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on a few lines (byte-level, so Qwen2's forced tokenizer class agrees)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]
-    )
-    tok.train_from_iterator(SENTENCES, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
 @pytest.fixture(params=["llama", "mistral", "qwen2"])
 def tiny_model(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, torch.nn.Module, object]:
     """A tiny random model of each architecture, saved with a locally trained tokenizer."""
-    tokenizer = _tokenizer()
+    tokenizer = tiny_tokenizer()
     model = build_tiny_model(request.param, vocab_size=len(tokenizer))
     out = tmp_path / request.param
     model.save_pretrained(out)
@@ -184,10 +165,8 @@ def test_unknown_source() -> None:
 def test_hub_offline_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub_id = f"rmm-tests/not-cached-{uuid.uuid4().hex[:8]}"
-    start = time.perf_counter()
     with pytest.raises(ModelNotAvailableError) as info:
         load_model({"source": "hub", "hub_id": hub_id, "revision": None, "path": None}, CPU, torch.float32)
-    assert time.perf_counter() - start < 10
     message = str(info.value)
     assert f"huggingface-cli download {hub_id}" in message
     assert f"hf download {hub_id}" in message

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import distinct_stream
+from conftest import distinct_stream, record_max
 
 from rmm.engine import StreamingEngine
 from rmm.future import record_future
@@ -20,8 +20,8 @@ from rmm.policies import POLICIES, make_policy
 from rmm.reference import POSITION_RULES, SCORE_POLICIES, ReferenceSpec, reference_attention, reference_stream
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt_neox"]
-BUDGET = 12
-CHUNKS = [1, 4, 5]  # 5 leaves a partial last chunk of the 48-token streams
+BUDGET = 8
+CHUNKS = [1, 4, 5]  # 5 leaves a partial last chunk of the 24-token streams
 POSITIONS = ["original", "cache"]
 NLL_ATOL = 5e-6  # per-token NLL, fp32 engine vs reference; the measured maximum is 2.4e-6 (see README)
 CASES = [
@@ -34,7 +34,7 @@ CASES = [
     ("rmm", {"lag": 3, "weight": "prob"}),
     ("rmm", {"lag": 3, "weight": "uniform"}),
     ("rmm", {"lag": 3, "after_commit": "freeze"}),
-    ("rmm", {"lag": 5, "weight": "prob", "after_commit": "freeze"}),
+    ("rmm", {"lag": 4, "weight": "prob", "after_commit": "freeze"}),
     ("rmm", {"lag": 0, "weight": "uniform", "after_commit": "freeze"}),
     ("tova", {}),
     ("random", {}),
@@ -50,7 +50,7 @@ CASES = [
     ("lru", {}),
     ("lru", {"tau": 0.2}),
     ("lagkv", {"partition": 3, "sinks": 1}),
-    ("lagkv", {"partition": 4, "sinks": 0}),
+    ("lagkv", {"partition": 3, "sinks": 0}),
 ]
 CASE_IDS = [f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CASES]
 
@@ -117,6 +117,15 @@ def test_every_policy_has_a_config_a_reference_rule_and_a_case():
     assert set(POLICIES) <= configs, "a policy lacks conf/policy/<name>.yaml"
 
 
+def fits(name: str, params: dict, chunk: int) -> bool:
+    """Whether the case is a valid policy at this chunk (a protected window must leave room to rank)."""
+    try:
+        make_policy({"name": name, **params}, budget=BUDGET, chunk=chunk)
+    except ValueError:
+        return False
+    return True
+
+
 def check_against_reference(model, tokens, arch, name, params, chunk, positions, scope="head"):
     ref_chunk = 1 if name in POSITION_RULES else chunk
     ref_nll, ref_correct, ref_sets = reference(
@@ -124,6 +133,7 @@ def check_against_reference(model, tokens, arch, name, params, chunk, positions,
     )
     result, sets = retained_sets(model, tokens, name, params, chunk=chunk, positions=positions, scope=scope)
     where = f"{arch} {name} {params} chunk={chunk} positions={positions} scope={scope}"
+    record_max("per-token |NLL engine - reference|, fp32", float((result.nll - ref_nll).abs().max()))
     torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=NLL_ATOL, msg=where)
     assert torch.equal(result.correct, ref_correct), where
     for now, engine_set in sets.items():
@@ -131,23 +141,50 @@ def check_against_reference(model, tokens, arch, name, params, chunk, positions,
     return sets
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize(("name", "params"), CASES, ids=CASE_IDS)
-def test_engine_matches_reference(tiny_models, streams, arch, name, params):
-    for chunk, positions in itertools.product(CHUNKS, POSITIONS):
-        if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
-            continue
-        tokens = distinct_stream() if ranks_keys(name) else streams[arch]
+def matrix():
+    """Every case on every architecture at every chunk. The fast loop (``-m "not slow"``) runs each
+    policy's first case at chunks 1, 4 and 5 and its variants at chunks 4 and 5 on Llama, and each
+    policy's first case at chunks 1 and 5 on GPT-NeoX (multi-head, partial rotary); Qwen2 and Mistral
+    (Llama's attention and RoPE code paths) run in the slow suite."""
+    seen = set()
+    for arch in ARCHS:
+        for (name, params), case_id in zip(CASES, CASE_IDS, strict=True):
+            variant = (arch, name) in seen
+            seen.add((arch, name))
+            for chunk in CHUNKS:
+                if not fits(name, params, chunk):
+                    continue
+                slow = (
+                    arch in ("qwen2", "mistral")
+                    or (arch == "gpt_neox" and (variant or chunk == 4))
+                    or (variant and chunk == 1)
+                )
+                yield pytest.param(
+                    arch,
+                    name,
+                    params,
+                    chunk,
+                    id=f"{arch}-{case_id}-C{chunk}",
+                    marks=[pytest.mark.slow] * slow,
+                )
+
+
+@pytest.mark.parametrize(("arch", "name", "params", "chunk"), matrix())
+def test_engine_matches_reference(tiny_models, streams, arch, name, params, chunk):
+    tokens = distinct_stream() if ranks_keys(name) else streams[arch]
+    for positions in POSITIONS:
         check_against_reference(tiny_models[arch], tokens, arch, name, params, chunk, positions)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gpt_neox", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scope", ["layer", "global"])
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize(
     ("name", "params"),
     [
+        ("full", {}),
         ("window", {}),
+        ("streaming_llm", {"sinks": 2}),
         ("h2o", {}),
         ("rmm", {"lag": 2}),
         ("tova", {}),
@@ -181,7 +218,7 @@ def test_streams_are_partly_predicted(tiny_models, streams):
 def test_rmm_weights_choose_differently(arch):
     """correct, prob and uniform give pairwise different retained sets on every architecture."""
     weights = ("correct", "prob", "uniform")
-    logs = {w: reference(arch, "rmm", (("lag", 3), ("weight", w)), 4, "original")[2] for w in weights}
+    logs = {w: reference(arch, "rmm", (("lag", 3), ("weight", w)), 1, "original")[2] for w in weights}
     for a, b in itertools.combinations(logs, 2):
         assert logs[a] != logs[b], f"{arch}: weight={a} and weight={b} keep the same sets"
 
@@ -212,8 +249,8 @@ def test_budget_beyond_stream_equals_full(tiny_models, streams, name, params):
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_budget_and_permanent_eviction(tiny_models, streams, name, params, chunk):
     """|R_t| <= B for every query, and once a position leaves R it never returns."""
-    if name == "rmm" and params["lag"] >= BUDGET - chunk + 1:
-        pytest.skip("lag does not fit this chunk")
+    if not fits(name, params, chunk):
+        pytest.skip("the case does not fit this chunk")
     seen_by: dict[tuple[int, int, int], list[int]] = {}  # (layer, head, key) -> queries that attended it
 
     def observer(attn, key_pos, query_pos):
@@ -231,7 +268,7 @@ def test_budget_and_permanent_eviction(tiny_models, streams, name, params, chunk
 
 @pytest.mark.parametrize("chunk", [1, 4])
 def test_rmm_provisional_buffer_never_evicted(tiny_models, streams, chunk):
-    lag = 5
+    lag = 4
 
     def hook(memory, now, evicted):
         recent = torch.arange(max(0, now - lag), now)
@@ -270,11 +307,12 @@ def test_oracle_evicts_the_furthest_requests(tiny_models, streams, arch):
     assert checked
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-@pytest.mark.parametrize("variant", ["next_use", "future_mass"])
+@pytest.mark.parametrize(
+    ("arch", "variant"), [("llama", "future_mass"), ("gpt_neox", "next_use"), ("gpt_neox", "future_mass")]
+)
 def test_windowed_oracle_context_matches_reference(tiny_models, streams, arch, variant):
     """oracle.context=W: the reference pass attends to the W previous positions only."""
-    model, tokens, context = tiny_models[arch], streams[arch], 10
+    model, tokens, context = tiny_models[arch], streams[arch], 4
     spec = ReferenceSpec(policy="oracle", budget=BUDGET, chunk=4, variant=variant, context=context)
     ref_nll, _ = reference_stream(model, tokens, spec)
     windowed, sets = retained_sets(model, tokens, "oracle", {"variant": variant}, chunk=4, context=context)

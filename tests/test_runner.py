@@ -1,18 +1,28 @@
-"""A run end to end on the embedded default (SmolLM2-135M over Shakespeare), as run.py does it."""
+"""Runs end to end: the runner's wiring on saved tiny models and textdir data, and the embedded default
+(SmolLM2-135M over Shakespeare, slow)."""
 
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SENTENCES, tiny_model, tiny_tokenizer
 from hydra import compose, initialize_config_dir
 
+from rmm import runner
+from rmm.data import load_documents
+from rmm.engine import StreamingEngine
+from rmm.future import record_future
+from rmm.models import load_model
+from rmm.policies import POLICIES, make_policy
 from rmm.runner import run
-from rmm.storage import read_metrics, read_tokens
+from rmm.storage import CONFIG_FILE, read_metrics, read_tokens
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CPU = torch.device("cpu")
 PROTOCOL_METRICS = {
     "ppl",
     "nll_mean",
@@ -38,14 +48,46 @@ PROTOCOL_METRICS = {
     "reference_wall_s",
     "estimator_spearman",
 }
+N_DOCS, MAX_TOKENS, BUDGET, CHUNK = 3, 40, 12, 4
+SIZED = {"lagkv": ["policy.partition=3", "policy.sinks=1"], "snapkv": ["policy.window=2"]}  # fit B and C
 
 
-def config(*overrides: str):
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory) -> dict[str, Path]:
+    """Saved tiny Llama and GPT-NeoX with a local tokenizer, a textdir of three documents, and a
+    temporary harness cache (RMM_CACHE) for the token cache."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    tokenizer = tiny_tokenizer()
+    paths = {}
+    for arch in ("llama", "gpt_neox"):
+        paths[arch] = root / arch
+        tiny_model(arch, vocab_size=len(tokenizer)).save_pretrained(paths[arch])
+        tokenizer.save_pretrained(paths[arch])
+    texts = root / "texts"
+    texts.mkdir()
+    words = " ".join(SENTENCES).split()
+    rng = random.Random(0)
+    for i in range(N_DOCS):
+        (texts / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(60)))
+    paths["texts"] = texts
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RMM_CACHE", str(root / "cache"))
+        yield paths
+
+
+def config(setup: dict, *overrides: str, arch: str = "llama"):
     base = [
-        "dataset.n_docs=2",
-        "dataset.max_tokens=96",
-        "budget=32",
-        "chunk=8",
+        "model=local",
+        f"model.path={setup[arch]}",
+        f"model.name=tiny_{arch}",
+        "dataset=textdir",
+        f"dataset.path={setup['texts']}",
+        f"dataset.max_tokens={MAX_TOKENS}",
+        f"budget={BUDGET}",
+        f"chunk={CHUNK}",
+        "lag=3",
+        "device=cpu",
+        "dtype=float32",
         "wandb.mode=disabled",
         "progress=false",
     ]
@@ -53,8 +95,94 @@ def config(*overrides: str):
         return compose("config", overrides=[*base, *overrides])
 
 
-def test_full_run_reports_the_plain_forward_perplexity(tmp_path):
-    metrics = run(config("policy=full"), tmp_path)
+def direct_streams(cfg, context: int | None = None) -> dict[str, torch.Tensor]:
+    """Per document, the NLL [n - 1] of StreamingEngine.stream with the run's options, each document with
+    a new policy and engine (so no state carries over), the oracle with that document's reference pass."""
+    model, tokenizer = load_model(cfg.model, CPU, torch.float32)
+    docs, _ = load_documents(cfg.dataset, tokenizer)
+    out = {}
+    for doc in docs:
+        policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
+        window = context or doc.tokens.numel()
+        policy.prepare(doc.tokens, lambda stream, w=window: record_future(model, stream, cfg.oracle.tau, w))
+        engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
+        out[doc.doc_id] = engine.stream(doc.tokens).nll
+    return out
+
+
+def run_nll(run_dir: Path) -> dict[str, torch.Tensor]:
+    tokens = read_tokens(run_dir)
+    return {
+        doc_id: torch.tensor(doc.nll.to_numpy(dtype=float, na_value=math.nan)[1:], dtype=torch.float32)
+        for doc_id, doc in tokens.groupby("doc_id", sort=False)
+    }
+
+
+def assert_same_nll(run_dir: Path, expected: dict[str, torch.Tensor]) -> None:
+    got = run_nll(run_dir)
+    assert list(got) == list(expected)
+    for doc_id, nll in expected.items():
+        assert torch.equal(got[doc_id], nll), f"{doc_id}: the run differs from a direct stream"
+
+
+@pytest.mark.parametrize(
+    ("arch", "positions", "scope"),
+    [("llama", "cache", "layer"), pytest.param("gpt_neox", "original", "head", marks=pytest.mark.slow)],
+)
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_run_equals_direct_engine(tiny_setup, tmp_path, policy, arch, positions, scope):
+    """run() gives every document the per-token NLL of a direct StreamingEngine.stream with the same
+    policy, budget, chunk, positions and scope (and, for the oracle, that document's own future)."""
+    options = [f"policy={policy}", *SIZED.get(policy, []), f"positions={positions}", f"scope={scope}"]
+    cfg = config(tiny_setup, *options, arch=arch)
+    metrics = run(cfg, tmp_path)
+    assert metrics["n_docs"] == N_DOCS
+    assert_same_nll(tmp_path, direct_streams(cfg))
+
+
+def test_oracle_uses_each_documents_own_future(tiny_setup, tmp_path):
+    """run() matches fresh reference passes per document, and this test can tell: the first document's
+    future, reused for the next documents, would change their NLL."""
+    cfg = config(tiny_setup, "policy=oracle", "oracle.tau=0.1")  # sparse requests: few ties
+    run(cfg, tmp_path)
+    fresh = direct_streams(cfg)
+    assert_same_nll(tmp_path, fresh)
+    model, tokenizer = load_model(cfg.model, CPU, torch.float32)
+    docs, _ = load_documents(cfg.dataset, tokenizer)
+    first = record_future(model, docs[0].tokens, cfg.oracle.tau, docs[0].tokens.numel())
+    changed = []
+    for doc in docs[1:]:
+        policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
+        policy.prepare(doc.tokens, lambda stream: first)
+        reused = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope).stream(doc.tokens)
+        changed.append(not torch.equal(reused.nll, fresh[doc.doc_id]))
+    assert all(changed), "a reused future must change the later documents here"
+
+
+def test_oracle_windowed_context_through_the_runner(tiny_setup, tmp_path):
+    cfg = config(tiny_setup, "policy=oracle", "oracle.context=6")
+    metrics = run(cfg, tmp_path)
+    assert metrics["reference_context"] == 6
+    windowed = direct_streams(cfg, context=6)
+    assert_same_nll(tmp_path, windowed)
+    full = direct_streams(cfg)
+    assert any(not torch.equal(windowed[d], full[d]) for d in full), "the window must matter here"
+
+
+def test_concat_stream_through_the_runner(tiny_setup, tmp_path):
+    cfg = config(tiny_setup, "policy=h2o", "dataset.stream=concat", "dataset.max_tokens=100")
+    metrics = run(cfg, tmp_path)
+    assert metrics["n_docs"] == 1 and metrics["n_tokens"] == 99
+    model, tokenizer = load_model(cfg.model, CPU, torch.float32)
+    per_doc, _ = load_documents({**cfg.dataset, "stream": "per_doc", "max_tokens": None}, tokenizer)
+    joined = torch.cat([d.tokens for d in per_doc])[:100]
+    assert read_tokens(tmp_path).token_id.tolist() == joined.tolist()
+    engine = StreamingEngine(model, make_policy(cfg.policy, budget=BUDGET, chunk=CHUNK))
+    assert torch.equal(run_nll(tmp_path)["concat"], engine.stream(joined).nll)
+
+
+def test_full_run_reports_the_plain_forward_perplexity(tiny_setup, tmp_path):
+    metrics = run(config(tiny_setup, "policy=full"), tmp_path)
     assert PROTOCOL_METRICS <= set(metrics)
     assert metrics == read_metrics(tmp_path)
     tokens = read_tokens(tmp_path)
@@ -62,45 +190,99 @@ def test_full_run_reports_the_plain_forward_perplexity(tmp_path):
     assert tokens["segment"].isna().all()  # plain text carries no segment labels
     assert tokens.groupby("doc_id")["position"].min().eq(0).all()
     assert tokens.loc[tokens.position == 0, "nll"].isna().all()
-    assert metrics["n_tokens"] == int(tokens.nll.notna().sum()) == 2 * 95
+    assert metrics["n_tokens"] == int(tokens.nll.notna().sum()) == N_DOCS * (MAX_TOKENS - 1)
     assert metrics["ppl"] == pytest.approx(math.exp(tokens.nll.astype(float).mean()), rel=1e-6)
-
-    from rmm.models import load_model
-
-    cfg = config("policy=full")
-    model, _ = load_model(cfg.model, torch.device("cpu"), torch.float32)
+    model = tiny_model("llama", vocab_size=len(tiny_tokenizer()))
     model.set_attn_implementation("sdpa")
+    for doc_id, nll in run_nll(tmp_path).items():
+        ids = torch.tensor(tokens[tokens.doc_id == doc_id].token_id.to_numpy(), dtype=torch.long)
+        log_probs = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1)
+        expected = -log_probs.gather(-1, ids[1:, None])[:, 0]
+        torch.testing.assert_close(nll, expected, rtol=0, atol=5e-6)
+    assert metrics["attended_mean"] == pytest.approx(sum(range(MAX_TOKENS)) / MAX_TOKENS)
+
+
+def test_bounded_run_records_what_protocol_asks(tiny_setup, tmp_path):
+    options = ["policy=rmm", "policy.weight=prob", "positions=cache", "diagnostics.estimator=true"]
+    cfg = config(tiny_setup, *options)
+    metrics = run(cfg, tmp_path)
+    assert metrics["policy"] == "rmm" and metrics["lag"] == 3 and metrics["policy.weight"] == "prob"
+    window = sum(min(t, BUDGET - CHUNK + 1 + t % CHUNK) for t in range(MAX_TOKENS)) / MAX_TOKENS
+    assert metrics["attended_mean"] == pytest.approx(window)  # B' retained plus the chunk so far
+    assert metrics["evicted_age_mean"] > 3  # the provisional buffer is never evicted
+    assert metrics["estimator_spearman"] is not None and -1.0 <= metrics["estimator_spearman"] <= 1.0
+    assert metrics["reference_wall_s"] > 0 and metrics["reference_context"] == MAX_TOKENS
+    assert metrics["kv_cache_bytes"] == BUDGET * 2 * 2 * 16 * 2 * 4
+    tokens = read_tokens(tmp_path)
+    assert metrics["correct_frac"] == pytest.approx(tokens.correct.astype(float).mean())
+
+
+def test_resume_skips_a_complete_run(tiny_setup, tmp_path):
+    run(config(tiny_setup, "policy=window"), tmp_path)
+    stamp = (tmp_path / "metrics.json").stat().st_mtime_ns
+    run(config(tiny_setup, "policy=window", "progress=true", "wandb.mode=offline"), tmp_path)
+    assert (tmp_path / "metrics.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match=r"different configuration \(differs in: dataset.max_tokens\)"):
+        run(config(tiny_setup, "policy=window", "dataset.max_tokens=32"), tmp_path)
+
+
+def _drop_stored_key(run_dir: Path, dotted: str) -> None:
+    import yaml
+
+    stored = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+    *parents, last = dotted.split(".")
+    node = stored
+    for key in parents:
+        node = node[key]
+    del node[last]
+    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(stored, sort_keys=False))
+
+
+def test_resume_with_a_key_on_one_side_only(tiny_setup, tmp_path, monkeypatch):
+    """A key the stored run lacks: fine when registered with the value it now has, else a change."""
+    cfg = config(tiny_setup, "policy=window")
+    run(cfg, tmp_path)
+    stamp = (tmp_path / "metrics.json").stat().st_mtime_ns
+    _drop_stored_key(tmp_path, "oracle.context")  # as if the run predates oracle.context
+    with pytest.raises(ValueError, match=r"differs in: oracle.context\)"):
+        run(cfg, tmp_path)
+    monkeypatch.setitem(runner.ADDED_KEY_DEFAULTS, "oracle.context", None)
+    run(cfg, tmp_path)  # added with the value that reproduces the old results: still complete
+    assert (tmp_path / "metrics.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match=r"differs in: oracle.context\)"):
+        run(config(tiny_setup, "policy=window", "oracle.context=8"), tmp_path)  # added, not at its default
+    _drop_stored_key(tmp_path, "scope")  # a result-affecting key that is not registered
+    with pytest.raises(ValueError, match=r"differs in: scope\)"):
+        run(cfg, tmp_path)
+
+
+def test_oracle_context_beyond_the_model_is_refused(tiny_setup, tmp_path):
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        run(config(tiny_setup, "policy=oracle", "oracle.context=100000"), tmp_path)
+
+
+@pytest.mark.slow
+def test_smollm2_run_reports_the_plain_forward_perplexity(tmp_path):
+    """The embedded default end to end: SmolLM2-135M over two Shakespeare plays."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=[
+                "policy=full",
+                "dataset.n_docs=2",
+                "dataset.max_tokens=96",
+                "chunk=8",
+                "wandb.mode=disabled",
+                "progress=false",
+            ],
+        )
+    metrics = run(cfg, tmp_path)
+    model, _ = load_model(cfg.model, CPU, torch.float32)
+    model.set_attn_implementation("sdpa")
+    tokens = read_tokens(tmp_path)
     total = 0.0
     for _, doc in tokens.groupby("doc_id", sort=False):
         ids = torch.tensor(doc.token_id.to_numpy(), dtype=torch.long)[None]
         total += model(ids, labels=ids).loss.item() * (ids.numel() - 1)
+    assert metrics["n_tokens"] == 2 * 95
     assert metrics["ppl"] == pytest.approx(math.exp(total / metrics["n_tokens"]), rel=1e-5)
-    assert metrics["attended_mean"] == pytest.approx(sum(range(96)) / 96)
-
-
-def test_bounded_run_records_what_protocol_asks(tmp_path):
-    metrics = run(config("policy=rmm", "lag=8", "positions=cache", "diagnostics.estimator=true"), tmp_path)
-    assert metrics["policy"] == "rmm" and metrics["lag"] == 8 and metrics["policy.weight"] == "correct"
-    assert metrics["attended_mean"] < 32
-    assert metrics["evicted_age_mean"] > 8  # the provisional buffer is never evicted
-    assert -1.0 <= metrics["estimator_spearman"] <= 1.0
-    assert metrics["reference_wall_s"] > 0 and metrics["reference_context"] == 96
-    assert metrics["kv_cache_bytes"] == 32 * 30 * 3 * 64 * 2 * 4
-    assert 0.0 < metrics["correct_frac"] < 1.0
-
-
-def test_resume_skips_a_complete_run(tmp_path):
-    cfg = config("policy=window")
-    run(cfg, tmp_path)
-    stamp = (tmp_path / "metrics.json").stat().st_mtime_ns
-    run(config("policy=window", "progress=true", "wandb.mode=offline"), tmp_path)  # same results config
-    assert (tmp_path / "metrics.json").stat().st_mtime_ns == stamp
-    with pytest.raises(ValueError, match=r"different configuration \(differs in: dataset.max_tokens\)"):
-        run(config("policy=window", "dataset.max_tokens=64"), tmp_path)
-
-
-def test_oracle_reports_its_reference_pass(tmp_path):
-    metrics = run(config("policy=oracle"), tmp_path)
-    assert metrics["reference_wall_s"] > 0
-    with pytest.raises(ValueError, match="exceeds the model's context"):
-        run(config("policy=oracle", "oracle.context=100000", "resume=false"), tmp_path)

@@ -117,6 +117,7 @@ def offline_dir(run_dir: Path) -> Path:
     return found[0]
 
 
+@pytest.mark.slow  # real W&B offline runs
 def test_offline_run_files(offline_runs: dict[str, Path]) -> None:
     ok_dir, failed_dir = offline_dir(offline_runs["ok"]), offline_dir(offline_runs["failed"])
     assert ok_dir.name.split("-")[-1] != failed_dir.name.split("-")[-1]  # one W&B run per Tracker
@@ -130,6 +131,7 @@ def test_offline_run_files(offline_runs: dict[str, Path]) -> None:
     assert table["data"][1][3] == pytest.approx(math.exp(2.0))
 
 
+@pytest.mark.slow  # real W&B offline runs
 def test_offline_run_records(offline_runs: dict[str, Path]) -> None:
     def read(run_dir: Path) -> dict[str, list[Any]]:
         records: dict[str, list[Any]] = {}
