@@ -42,6 +42,14 @@ def main(cfg: DictConfig) -> float:
         metrics["peak_memory_bytes"] / 2**20,
         metrics["kv_cache_bytes"] / 2**20,
     )
+    if "nll_recall" in metrics:  # a labelled (dataset=reuse) run
+        log.info(
+            "recall: NLL %.3f | accuracy %.3f (first code token %.3f) over %d recalls",
+            metrics["nll_recall"],
+            metrics["acc_recall"],
+            metrics["acc_recall_first"],
+            metrics["n_recalls"],
+        )
     return metrics["ppl"]
 
 
