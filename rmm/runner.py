@@ -217,7 +217,8 @@ def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
     return changed
 
 
-_NOT_RESULTS = {"resume", "progress", "wandb"}
+# model.architecture records the checkpoint's shape (for the planner and proxies); the weights decide results
+_NOT_RESULTS = {"resume", "progress", "wandb", "model.architecture"}
 # Config keys added after results were written: dotted key -> the value that gives the old results.
 # Add an entry with every new result-affecting config key, so that complete runs stay resumable.
 ADDED_KEY_DEFAULTS: dict[str, object] = {}

@@ -78,7 +78,7 @@ def test_rotation_composes_with_the_models_rope(tiny_models):
 
 @pytest.mark.parametrize("name", ["window", "streaming_llm", "h2o", "rmm", "oracle"])
 def test_memory_does_not_grow_with_the_stream(tiny_models, name):
-    """The memory's tensors stay one size during a stream, and are as large after 2300 tokens as after 1100."""
+    """The memory keeps one size during a stream, and is as large after 2300 tokens as after 1100."""
     model = tiny_models["llama"]
 
     def memory_bytes(n: int) -> int:
