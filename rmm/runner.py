@@ -221,7 +221,9 @@ def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
 _NOT_RESULTS = {"resume", "progress", "wandb", "model.architecture"}
 # Config keys added after results were written: dotted key -> the value that gives the old results.
 # Add an entry with every new result-affecting config key, so that complete runs stay resumable.
-ADDED_KEY_DEFAULTS: dict[str, object] = {}
+ADDED_KEY_DEFAULTS: dict[str, object] = {
+    "policy.seed": 0,  # random's seed became a policy key; the runs before it used the run seed, 0 in all
+}
 
 
 def _check_options(cfg: DictConfig) -> None:
