@@ -197,3 +197,31 @@ def test_lag_is_defined_once_and_overridable_at_top_level(compose_cfg: Compose) 
     assert compose_cfg("policy=rmm").policy.lag == compose_cfg().lag
     with pytest.raises(ValueError, match="missing 1 required positional argument: 'lag'"):
         make_policy({"name": "rmm"}, budget=256, chunk=64)
+
+
+COMMITTED = {"reproduce_cpu_": "results/cpu/runs", "reuse_cpu_": "results/cpu/reuse/runs"}
+
+
+@pytest.mark.parametrize("prefix", sorted(COMMITTED))
+def test_committed_runs_resume_under_the_current_configs(compose_cfg: Compose, prefix: str) -> None:
+    """Every committed run is a job of its study's presets whose stored config the current code accepts as
+    unchanged, so `make reproduce-cpu` / `make reproduce-reuse` skip it instead of refusing or recomputing."""
+    from rmm.runner import _changed_keys
+    from rmm.storage import read_config, run_is_complete
+
+    root = CONF.parent / COMMITTED[prefix]
+    committed = {p.parent for p in root.glob("*/*/*/metrics.json") if run_is_complete(p.parent)}
+    matched = set()
+    for preset in [name for name in SWEEPS if name.startswith(prefix)]:
+        base = compose_cfg(f"experiment={preset}", hydra=True)
+        for job in sweep_jobs(base.hydra.sweeper.params or {}):
+            cfg = compose_cfg(f"experiment={preset}", *job, hydra=True)
+            run_dir = CONF.parent / cfg.hydra.sweep.dir / cfg.run_name
+            if run_dir not in committed:
+                continue
+            current = OmegaConf.to_container(
+                OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True
+            )
+            assert _changed_keys(read_config(run_dir), current) == [], run_dir
+            matched.add(run_dir)
+    assert committed and matched == committed, sorted(committed - matched)[:3]
