@@ -6,6 +6,7 @@ import json
 import math
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -154,4 +155,9 @@ def test_offline_run_records(offline_runs: dict[str, Path]) -> None:
     ]
     assert ok["exit"][0].exit_code == 0
     failed = read(offline_runs["failed"])
+    for _ in range(60):  # W&B's writer process may append a failed run's exit record after finish() returns
+        if "exit" in failed:
+            break
+        time.sleep(1.0)
+        failed = read(offline_runs["failed"])
     assert failed["exit"][0].exit_code == 1
