@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.collect import collect, load_runs, policy_sort_key, with_labels, write_csv
-from experiments.compare import compare_sweep, comparison_table
+from experiments.compare import _natural, compare_sweep, comparison_table
 from rmm.bootstrap import doc_sizes, mean_interval, scored_tokens
 from rmm.storage import atomic_write_text, read_tokens
 
@@ -115,10 +114,6 @@ def recall_table(frame: pd.DataFrame) -> str:
             )
         lines.append("")
     return "\n".join(lines)
-
-
-def _natural(label: str) -> list[Any]:
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", label)]
 
 
 def comparisons(frame: pd.DataFrame, block: int) -> pd.DataFrame:
