@@ -46,7 +46,16 @@ POLICIES = [  # (name, parameters, positions), measured side by side
     ("lru", {}, "original"),
     ("rmm", {"lag": 64}, "original"),
     ("rmm", {"lag": 64}, "cache"),
+    ("rmm", {"lag": 64, "weight": "gradient"}, "original"),
 ]
+# weight=gradient adds one backward pass per chunk: its cost against rmm(correct) (target <= 3x the time)
+GRADIENT, CORRECT = "rmm[gradient]/original", "rmm/original"
+
+
+def label(name: str, params: dict, positions: str) -> str:
+    """The engine run's name: policy[weight]/positions (the weight only when it is not the default)."""
+    weight = f"[{params['weight']}]" if "weight" in params else ""
+    return f"{name}{weight}/{positions}"
 
 
 def timed(fn) -> tuple[float, object]:
@@ -218,7 +227,7 @@ def main() -> None:
         if chosen is not None and name not in chosen:
             continue
         policy = make_policy({"name": name, **params}, budget=args.budget, chunk=args.chunk)
-        engines[f"{name}/{positions}"] = engine = StreamingEngine(model, policy, positions=positions)
+        engines[label(name, params, positions)] = engine = StreamingEngine(model, policy, positions=positions)
         engine.stream(tokens[: 2 * args.chunk + 1])  # warm-up
     best: dict[str, float] = {}
     for round_ in range(args.repeats):
@@ -229,14 +238,19 @@ def main() -> None:
     rates = {key: (n - 1) / seconds for key, seconds in best.items()}
     for key, rate in rates.items():
         name, positions = key.split("/")
-        print(f"engine {name:18s} positions={positions:8s} {rate:8.1f} tokens/s")
+        print(f"engine {name:22s} positions={positions:8s} {rate:8.1f} tokens/s")
     window = rates["window/original"]
     print("\nscore-based policies / window (targets: attention-free >= 0.95x, attention-based >= 0.6x)")
     for key, rate in rates.items():
-        name = key.split("/")[0]
+        name = key.split("/")[0].split("[")[0]
         if name in ATTENTION_FREE or name in ATTENTION_BASED:
             family = "attention-free" if name in ATTENTION_FREE else "attention-based"
             print(f"  {key:28s} {rate / window:5.2f}x  ({family})")
+    if GRADIENT in rates and CORRECT in rates:
+        print(
+            f"\nrmm weight=gradient: {rates[CORRECT] / rates[GRADIENT]:.2f}x the time per token of "
+            "weight=correct (target <= 3x)"
+        )
     if args.only_engine:
         return
 

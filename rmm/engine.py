@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,27 +134,33 @@ class StreamingEngine:
         tokens = tokens.to(self.device)
         policy = self.policy
         scoring = not policy.per_query
-        memory = self.new_memory(n, (scoring and "attention" in policy.needs) or observer is not None)
+        probabilities = scoring and bool({"attention", "gradient"} & policy.needs)
+        memory = self.new_memory(n, probabilities or observer is not None)
         nll = torch.empty(n - 1, device=self.device)
         correct = torch.empty(n - 1, dtype=torch.bool, device=self.device)
         attended, age_sum, n_evicted = 0.0, 0.0, 0
         for start, stop in self.chunks(n, memory.record_attention):
             query_pos = torch.arange(start, stop, device=self.device)
             position_ids = memory.begin_chunk(query_pos)
-            logits = (
-                self.model(
-                    input_ids=tokens[None, start:stop],
-                    position_ids=position_ids[None],
-                    kv_memory=memory,
-                    use_cache=False,
-                )
-                .logits[0]
-                .float()
-            )  # [Q, V]
             n_scored = min(stop, n - 1) - start
-            log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
             targets = tokens[start + 1 : start + 1 + n_scored]
-            token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
+            # autograd only for a policy that needs the gradient utility, and only for this pass
+            with torch.enable_grad() if memory.track_gradient else contextlib.nullcontext():
+                logits = (
+                    self.model(
+                        input_ids=tokens[None, start:stop],
+                        position_ids=position_ids[None],
+                        kv_memory=memory,
+                        use_cache=False,
+                    )
+                    .logits[0]
+                    .float()
+                )  # [Q, V]
+                log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
+                token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
+                if memory.track_gradient:
+                    memory.record_gradient(token_nll.sum() if n_scored else None)
+            token_nll, log_probs = token_nll.detach(), log_probs.detach()
             token_correct = log_probs.argmax(dim=-1) == targets
             nll[start : start + n_scored] = token_nll
             correct[start : start + n_scored] = token_correct

@@ -113,6 +113,8 @@ def bounded_attention(
         if kv_memory.record_attention:
             kv_memory.store_attention(layer, probs.sum(dim=1))  # GQA group summed: [H, Q, S]
         out = torch.matmul(probs.to(values.dtype), values[:, None])  # [H, G, Q, D]
+        if kv_memory.track_gradient:
+            out = kv_memory.track_output(layer, probs, values, out)
     out = out.reshape(1, -1, out.shape[-2], out.shape[-1])  # [1, n_heads, Q, D]
     return out.transpose(1, 2).contiguous(), None
 

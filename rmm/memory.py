@@ -16,6 +16,12 @@ What a policy observes after a chunk (:meth:`SlotMemory.observation`) is read fr
 and queries are handed over unrotated in both position modes. With ``original`` positions a policy
 that reads keys makes the memory keep a second, unrotated copy of them, rotated back once as they
 arrive (``cache`` already stores keys unrotated).
+
+A policy that needs ``gradient`` turns on gradient tracking: the chunk's forward pass runs with autograd
+(only that pass), the chunk's own keys and values keep their graph inside the pass so that the loss of a
+later query of the chunk reaches an earlier query's hidden states, and one backward pass of the chunk's
+summed NLL gives each layer's dl/do at the attention output (:meth:`SlotMemory.record_gradient`). Slots
+always hold detached tensors, so no graph outlives the chunk.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ class SlotMemory:
         self.rotary = rotary
         self.store_unrotated = positions == "cache" and not policy.per_query
         self.record_attention = record_attention
+        self.track_gradient = "gradient" in policy.needs and not policy.per_query
+        if self.track_gradient and not record_attention:
+            raise ValueError("gradient tracking needs attention probabilities: pass record_attention=True")
         self.keys = torch.zeros(n_layers, n_heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         # original positions and a policy that reads keys: a second, unrotated copy, filled as keys arrive
@@ -73,6 +82,10 @@ class SlotMemory:
             name: torch.zeros(n_layers, n_heads, slots, device=device) for name in policy.state_names
         }
         self.attn = torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None
+        # gradient tracking: u_s(j) of the last chunk [L, H, C, R + C], and what each layer's attention
+        # used during the chunk's forward pass: (layer, probs [H, G, Q, S], values [H, S, D], output)
+        self.utility = torch.zeros_like(self.attn) if self.track_gradient else None
+        self._outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.record_queries = record_queries
         self.queries: torch.Tensor | None = None  # [L, H, G, C, D] unrotated, allocated at the first store
         self._query_table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -129,14 +142,22 @@ class SlotMemory:
     def attend_keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Store the chunk's key/value [H, Q, D]; return the keys and values to attend [H, R + Q, D]."""
         end = self.retained + key.shape[1]
+        graph_key, graph_value = key, value
+        key, value = key.detach(), value.detach()  # slots never hold a graph
         self.values[layer, :, self.retained : end] = value
         if not self.store_unrotated:
             self.keys[layer, :, self.retained : end] = key
             if self.raw_keys is not None:
                 self.raw_keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
+            kept = self.keys[layer, :, : self.retained]
+        else:
+            self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
+            kept = self.rotary.apply(self.keys[layer, :, : self.retained], self._rank_table)
+        if self.track_gradient:  # the chunk's own keys and values keep the pass's graph
+            chunk_values = torch.cat([self.values[layer, :, : self.retained], graph_value], dim=1)
+            return torch.cat([kept, graph_key], dim=1), chunk_values
+        if not self.store_unrotated:
             return self.keys[layer, :, :end], self.values[layer, :, :end]
-        self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
-        kept = self.rotary.apply(self.keys[layer, :, : self.retained], self._rank_table)
         return torch.cat([kept, key], dim=1), self.values[layer, :, :end]
 
     def allowed_mask(self, layer: int) -> torch.Tensor:
@@ -155,14 +176,45 @@ class SlotMemory:
 
     def store_attention(self, layer: int, probs: torch.Tensor) -> None:
         """Attention probabilities [H, Q, R + Q] of the chunk's queries, GQA group summed."""
-        self.attn[layer, :, : probs.shape[1], : probs.shape[2]] = probs
+        self.attn[layer, :, : probs.shape[1], : probs.shape[2]] = probs.detach()
+
+    def track_output(
+        self, layer: int, probs: torch.Tensor, values: torch.Tensor, output: torch.Tensor
+    ) -> torch.Tensor:
+        """Gradient tracking: remember a layer's attention probabilities [H, G, Q, S] (float32), the values
+        [H, S, D] and its output o [H, G, Q, D] = probs . values, so that :meth:`record_gradient` can
+        differentiate the chunk's loss with respect to o.
+
+        Returns o, plus a zero leaf that requires grad when nothing before it does (the first layer of a
+        model whose weights need no grad), so that the loss has a graph back to every layer's output.
+        """
+        if not output.requires_grad:
+            output = output + torch.zeros_like(output, requires_grad=True)
+        self._outputs.append((layer, probs.detach(), values.detach(), output))
+        return output
+
+    def record_gradient(self, loss: torch.Tensor | None) -> None:
+        """One backward pass of the chunk's summed NLL ``loss`` (None when no query of the chunk has a
+        target): u_s(j) = a_s(j) * (<g_s, o_s> - <g_s, v_j>) with g_s = dl/do_s, summed over each KV
+        head's query heads, into :attr:`utility`. Releases the pass's graph."""
+        outputs, self._outputs = self._outputs, []
+        self.utility.zero_()
+        if loss is None:
+            return
+        grads = torch.autograd.grad(loss, [output for *_, output in outputs])
+        for (layer, probs, values, output), grad in zip(outputs, grads, strict=True):
+            grad, output = grad.float(), output.detach().float()
+            reach = (grad * output).sum(dim=-1, keepdim=True)  # <g_s, o_s>: [H, G, Q, 1]
+            per_value = torch.matmul(grad, values.float()[:, None].transpose(-1, -2))  # <g_s, v_j>
+            utility = (probs * (reach - per_value)).sum(dim=1)  # [H, Q, S]
+            self.utility[layer, :, : utility.shape[1], : utility.shape[2]] = utility
 
     def store_queries(self, layer: int, query: torch.Tensor) -> None:
         """The chunk's queries [H, G, Q, D] as the model rotated them; kept unrotated."""
         if self.queries is None:
             n_heads, group, _, head_dim = query.shape
             self.queries = query.new_zeros(self.keys.shape[0], n_heads, group, self.chunk, head_dim)
-        self.queries[layer, :, :, : query.shape[2]] = self.rotary.apply(query, self._query_table)
+        self.queries[layer, :, :, : query.shape[2]] = self.rotary.apply(query.detach(), self._query_table)
 
     # ---- statistics (engine) -------------------------------------------------------------------
     def chunk_attention(self) -> torch.Tensor:
@@ -202,6 +254,8 @@ class SlotMemory:
             fields["queries"] = self.queries[:, :, :, :n_q]
         if "outcomes" in needs:
             fields.update(outcomes)
+        if "gradient" in needs:
+            fields["gradient"] = self.utility[:, :, :n_q, :n]
         return Observation(key_pos, self.query_pos, **fields)
 
     def attended_total(self) -> float:

@@ -70,6 +70,7 @@ class ReferenceSpec:
     kernel: int = 5
     pooling: str = "avg"
     partition: int = 32
+    gradient_loss: str = "chunk"  # rmm weight=gradient: the chunk's summed NLL, or each query's own ("query")
     retained_log: list = field(default_factory=list)  # R_t per query t: [L][H] sorted position lists
     attention_log: list = field(default_factory=list)  # per query t: [L][H] {key position: attention}
 
@@ -212,22 +213,11 @@ def reference_stream(
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
         m = len(retained[0][0])
         query_pos = t if spec.positions == "original" else m
-        cache = DynamicCache()
-        for layer in range(n_layers):
-            layer_keys, layer_values = [], []
-            for h in range(n_kv):
-                kept = retained[layer][h]
-                head_keys = torch.stack([keys[layer][h][j] for j in kept]) if kept else None
-                if head_keys is not None and spec.positions == "cache":  # key j moves to its rank
-                    head_keys = rope_rotate(head_keys, [r - made_at[j] for r, j in enumerate(kept)], inv_freq)
-                layer_keys.append(head_keys)
-                layer_values.append(torch.stack([values[layer][h][j] for j in kept]) if kept else None)
-            if m:
-                cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
+        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq)
         out = model(
             tokens[None, t : t + 1],
             position_ids=torch.tensor([[query_pos]]),
-            cache=cache if m else None,
+            cache=cache,
             use_cache=True,
             output_attentions=True,
         )
@@ -261,7 +251,7 @@ def reference_stream(
                         seen_by["last_use"][layer][h][j] = t
                     if spec.policy in ("h2o", "observed_attention"):
                         utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a
-                    if spec.policy == "rmm" and (spec.after_commit == "accumulate" or t - j <= spec.lag):
+                    if spec.policy == "rmm" and spec.weight != "gradient" and _counts(spec, t, j):
                         utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a * weight[spec.weight]
             step_attention.append(per_head)
         seen_by["rows"].append(step_attention)
@@ -273,6 +263,20 @@ def reference_stream(
         now = t + 1
         if now == n:
             break
+        if spec.policy == "rmm" and spec.weight == "gradient" and now % spec.chunk == 0:
+            start = now - spec.chunk
+            if spec.gradient_loss == "chunk":
+                parts = [(start, now, spec.retained_log[start])]
+            else:  # each query alone, over R plus the chunk's earlier tokens (the chunk-1 computation)
+                parts = [(s, s + 1, spec.retained_log[s]) for s in range(start, now)]
+            for first, stop, kept in parts:
+                gradient = gradient_utility(model, tokens, first, stop, kept, keys, values, made_at, spec)
+                for layer in range(n_layers):
+                    for h in range(n_kv):
+                        for s, row in gradient[layer][h].items():
+                            for j, u in row.items():
+                                if _counts(spec, s, j):
+                                    utility[layer][h][j] = utility[layer][h].get(j, 0.0) + u
         if spec.policy in POSITION_RULES:
             for layer in range(n_layers):
                 for h in range(n_kv):
@@ -280,6 +284,81 @@ def reference_stream(
         elif now % spec.chunk == 0:
             _decide(spec, retained, now, n, utility, last, future, seen_by)
     return nll, correct
+
+
+def _cache(retained: list, keys: list, values: list, made_at: dict, positions: str, inv_freq: list):
+    """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty. With cache
+    positions every key moves from the position the model produced it at to its rank in R."""
+    if not retained[0][0]:
+        return None
+    cache = DynamicCache()
+    for layer, per_head in enumerate(retained):
+        layer_keys, layer_values = [], []
+        for h, kept in enumerate(per_head):
+            head_keys = torch.stack([keys[layer][h][j] for j in kept])
+            if positions == "cache":  # key j moves to its rank
+                head_keys = rope_rotate(head_keys, [r - made_at[j] for r, j in enumerate(kept)], inv_freq)
+            layer_keys.append(head_keys)
+            layer_values.append(torch.stack([values[layer][h][j] for j in kept]))
+        cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
+    return cache
+
+
+def _counts(spec: ReferenceSpec, s: int, j: int) -> bool:
+    """rmm: does query s add to key j's utility (always, or with ``freeze`` only while s - j <= H)?"""
+    return spec.after_commit == "accumulate" or s - j <= spec.lag
+
+
+def gradient_utility(
+    model: PreTrainedModel,
+    tokens: torch.Tensor,
+    start: int,
+    stop: int,
+    retained: list,
+    keys: list,
+    values: list,
+    made_at: dict,
+    spec: ReferenceSpec,
+) -> list:
+    """rmm's gradient utility of the chunk [start, stop): [L][H] {query s: {key j: u_s(j)}}.
+
+    One forward pass of the chunk's tokens, with eager attention, over a cache holding exactly the chunk's
+    retained set ``retained`` ([L][H] position lists); l is the sum of the chunk's NLLs (queries with a
+    target). Autograd through the model's own attention probabilities a gives dl/da, and the logit
+    derivative dl/dz = a * (dl/da - sum_j a dl/da); u_s(j) = -dl/dz_{s,j}, summed over the query heads of
+    each KV head's group in float64. At chunk 1 this is the single query's own loss.
+    """
+    n_layers, n_kv, _ = model_shape(model)
+    inv_freq = rope_frequencies(model.config) if spec.positions == "cache" else []
+    m = len(retained[0][0])
+    first = start if spec.positions == "original" else m
+    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq)
+    scored = range(start, min(stop, tokens.numel() - 1))
+    utilities = [[{s: {} for s in range(start, stop)} for _ in range(n_kv)] for _ in range(n_layers)]
+    if not scored:
+        return utilities
+    embeddings = model.get_input_embeddings()(tokens[None, start:stop]).detach().requires_grad_(True)
+    with torch.enable_grad():
+        out = model(
+            inputs_embeds=embeddings,
+            position_ids=torch.arange(first, first + stop - start)[None],
+            cache=cache,
+            use_cache=True,
+            output_attentions=True,
+        )
+        log_probs = torch.log_softmax(out.logits[0].double(), -1)
+        loss = -sum(log_probs[s - start, tokens[s + 1]] for s in scored)
+        grads = torch.autograd.grad(loss, list(out.attentions))
+    for layer in range(n_layers):
+        a, da = out.attentions[layer][0].detach().double(), grads[layer][0].double()  # [heads, Q, m + Q]
+        utility = -a * (da - (a * da).sum(-1, keepdim=True))
+        group = a.shape[0] // n_kv
+        for h in range(n_kv):
+            summed = utility[h * group : (h + 1) * group].sum(0)  # [Q, m + Q]
+            columns = retained[layer][h] + list(range(start, stop))
+            for i, s in enumerate(range(start, stop)):
+                utilities[layer][h][s] = {j: float(summed[i, c]) for c, j in enumerate(columns) if j <= s}
+    return utilities
 
 
 def _visible(spec: ReferenceSpec, now: int, j: int) -> bool:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 NEVER = float("inf")
 
 # what a policy may declare in ``needs``
-NEEDS = ("attention", "keys", "values", "queries", "outcomes")
+NEEDS = ("attention", "keys", "values", "queries", "outcomes", "gradient")
 
 # the oracle's reference pass for a document: tokens [n] -> recorded future requests
 ReferencePass = Callable[[torch.Tensor], "FutureRequests"]
@@ -55,6 +55,12 @@ class Observation:
     correct, prob, nll (``outcomes``) : [Q] float32, per query s: 1.0 where argmax p(. | s) = x_{s+1},
         p(x_{s+1} | s), and -log p(x_{s+1} | s); 0.0, 0.0 and 0.0 for the document's last query (no
         target).
+    gradient (``gradient``) : [L, H, Q, S] float32, the first-order utility u_s(j) = -dl/dz_{s,j} of
+        slot j to query s, summed over the query heads of each KV head's group, where z_{s,j} is the
+        attention logit and l is the summed NLL of the chunk's queries (one backward pass per chunk):
+        u_s(j) = a_s(j) * (<g_s, o_s> - <g_s, v_j>), g_s = dl/do_s at the head's attention output o_s.
+        Positive where attending to j lowered the loss; 0 where s cannot see j. Only this need turns
+        on autograd, and only for the chunk's forward pass.
     """
 
     key_pos: torch.Tensor
@@ -66,6 +72,7 @@ class Observation:
     correct: torch.Tensor
     prob: torch.Tensor
     nll: torch.Tensor
+    gradient: torch.Tensor
 
     _NEED_OF = {
         "attention": "attention",
@@ -75,6 +82,7 @@ class Observation:
         "correct": "outcomes",
         "prob": "outcomes",
         "nll": "outcomes",
+        "gradient": "gradient",
     }
 
     def __init__(self, key_pos: torch.Tensor, query_pos: torch.Tensor, **fields: torch.Tensor):

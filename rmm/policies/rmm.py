@@ -3,8 +3,14 @@
 The H most recent positions (``lag``) form a provisional buffer that is always kept and never ranked.
 Older positions are committed and ranked by demonstrated utility DU_j = sum_s a_s(j) * w_s, where w_s
 is 1 when query s predicted x_{s+1} correctly (``weight=correct``), p(x_{s+1} | s) (``prob``) or 1
-(``uniform``). ``after_commit=accumulate`` keeps summing after commit; ``freeze`` sums only queries
-s in [j, j + H]. With ``uniform`` and ``accumulate``, rmm with lag H is exactly h2o with r = H.
+(``uniform``). ``weight=gradient`` measures harder: DU_j = sum_s u_s(j), the first-order utility
+u_s(j) = -dl/dz_{s,j} = a_s(j) * (<g_s, o_s> - <g_s, v_j>) of the entry to the loss l (g_s = dl/do_s at
+the head's attention output, summed over the KV head's query heads; see ``Observation.gradient``). It is
+positive when attending to j lowered the loss. At chunk 1, l is the query's own NLL; for C > 1 it is the
+chunk's summed NLL (one backward pass per chunk), so u also counts j's effect on later queries of the
+chunk through their hidden states. ``after_commit=accumulate`` keeps summing after commit; ``freeze``
+sums only queries s in [j, j + H]. With ``uniform`` and ``accumulate``, rmm with lag H is exactly h2o
+with r = H.
 
 ``lag`` has no default here: the one default is the top-level ``lag`` of ``conf/config.yaml``, which
 ``conf/policy/rmm.yaml`` forwards (so ``python run.py policy=rmm lag=64`` works).
@@ -17,7 +23,7 @@ import torch
 
 from rmm.policies.base import Observation, Policy, check_protected, protect_recent, weighted_attention
 
-WEIGHTS = ("correct", "prob", "uniform")
+WEIGHTS = ("correct", "prob", "uniform", "gradient")
 AFTER_COMMIT = ("accumulate", "freeze")
 
 
@@ -40,6 +46,8 @@ class RMM(Policy):
         if self.lag < 0:
             raise ValueError(f"lag must be >= 0, got {self.lag}")
         check_protected("lag", self.lag, self.capacity)
+        if self.weight == "gradient":  # the utility replaces attention and outcomes
+            self.needs = frozenset({"gradient"})
 
     @property
     def protected(self) -> int:
@@ -49,14 +57,17 @@ class RMM(Policy):
         return {"lag": self.lag}
 
     def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
-        weight = {"correct": obs.correct, "prob": obs.prob}.get(self.weight)
-        if weight is None:
-            weight = torch.ones_like(obs.query_pos, dtype=torch.float32)
-        attn = obs.attention
+        if self.weight == "gradient":
+            contribution, weight = obs.gradient, torch.ones_like(obs.query_pos, dtype=torch.float32)
+        else:
+            contribution = obs.attention
+            weight = {"correct": obs.correct, "prob": obs.prob}.get(self.weight)
+            if weight is None:
+                weight = torch.ones_like(obs.query_pos, dtype=torch.float32)
         if self.after_commit == "freeze":
             age = obs.query_pos[:, None] - obs.key_pos[..., None, :]  # [L, H, Q, S]
-            attn = attn * (age <= self.lag)
-        state["utility"] += weighted_attention(attn, weight)
+            contribution = contribution * (age <= self.lag)
+        state["utility"] += weighted_attention(contribution, weight)
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         return protect_recent(state["utility"].clone(), obs.key_pos, now, self.lag)
