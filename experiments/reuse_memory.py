@@ -11,7 +11,9 @@ or recall. Reported per run:
 - the mean share of retained slots per class, over boundaries, layers and KV heads;
 - ``true code kept at recall``: for every true record, at the last boundary before the query that predicts
   its recall's first code token, the share of (layer, KV head) memories holding at least one token of its
-  code (from the introduction or the echo), averaged over records.
+  code (from the introduction or the echo), averaged over records;
+- ``position 0 kept``: the share of (layer, KV head) memories holding the stream's first token (where
+  attention sinks form), over boundaries.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class CompositionHook:
         self.recalls, self.chunk = recalls, chunk
         self.shares: list[torch.Tensor] = []
         self.kept_at_recall: list[float] = []
+        self.first_kept: list[float] = []  # share of (layer, KV head) memories holding position 0
 
     def __call__(self, memory: SlotMemory, now: int, evicted: torch.Tensor) -> None:
         held = memory.retained_positions().cpu()  # [L, H, R]
@@ -72,6 +75,7 @@ class CompositionHook:
         cls = self.classes[held.clamp(min=0)]
         counts = torch.stack([((cls == k) & valid).sum() for k in range(len(CLASSES))]).double()
         self.shares.append(counts / valid.sum().clamp(min=1))
+        self.first_kept.append(float((held == 0).any(dim=-1).double().mean()))
         for first_query, code in self.recalls:
             if now <= first_query < now + self.chunk:
                 holds = torch.isin(held, torch.from_numpy(code)).any(dim=-1)  # [L, H]
@@ -91,7 +95,7 @@ def composition(run_dir: Path, cache: dict[str, Any]) -> dict[str, Any]:
     engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
     stored = read_tokens(run_dir)
     metrics = read_metrics(run_dir)
-    shares, kept = [], []
+    shares, kept, first = [], [], []
     reference = no_reference_pass
     if policy.needs_reference:
         context = metrics["reference_context"] or describe_model(model)["max_position_embeddings"]
@@ -106,22 +110,26 @@ def composition(run_dir: Path, cache: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"{run_dir}: re-streaming {doc.doc_id} does not reproduce the stored NLL")
         shares += hook.shares
         kept += hook.kept_at_recall
+        first += hook.first_kept
     mean = torch.stack(shares).mean(dim=0).tolist()
     return {
         "run_name": run_dir.name,
         **dict(zip(CLASSES, mean, strict=True)),
         "true code kept at recall": float(np.mean(kept)),
+        "position 0 kept": float(np.mean(first)),
         "acc_recall": metrics["acc_recall"],
     }
 
 
 def table(rows: pd.DataFrame) -> str:
-    header = ["run", *CLASSES, "true code kept at recall", "recall acc"]
+    header = ["run", *CLASSES, "true code kept at recall", "position 0 kept", "recall acc"]
     lines = [
         "Where the memory goes (experiments/reuse_memory.py): mean share of the retained slots holding each "
         "class of token, over decision boundaries, layers and KV heads; `true code kept at recall`: share "
         "of (layer, KV head) memories holding any token of a true record's code (introduction or echo) at "
-        "the last boundary before its recall's first code token is predicted, averaged over records.",
+        "the last boundary before its recall's first code token is predicted, averaged over records; "
+        "`position 0 kept`: share of (layer, KV head) memories holding the stream's first token (the "
+        "attention sink) over boundaries.",
         "",
         "| " + " | ".join(header) + " |",
         "|---|" + "---:|" * (len(header) - 1),

@@ -36,6 +36,8 @@ CASES = [
     ("rmm", {"lag": 3, "after_commit": "freeze"}),
     ("rmm", {"lag": 4, "weight": "prob", "after_commit": "freeze"}),
     ("rmm", {"lag": 0, "weight": "uniform", "after_commit": "freeze"}),
+    ("rmm", {"lag": 3, "weight": "gradient"}),
+    ("rmm", {"lag": 3, "weight": "gradient", "after_commit": "freeze"}),
     ("tova", {}),
     ("random", {}),
     ("random", {"seed": 3}),
@@ -216,8 +218,8 @@ def test_streams_are_partly_predicted(tiny_models, streams):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rmm_weights_choose_differently(arch):
-    """correct, prob and uniform give pairwise different retained sets on every architecture."""
-    weights = ("correct", "prob", "uniform")
+    """correct, prob, uniform and gradient give pairwise different retained sets on every architecture."""
+    weights = ("correct", "prob", "uniform", "gradient")
     logs = {w: reference(arch, "rmm", (("lag", 3), ("weight", w)), 1, "original")[2] for w in weights}
     for a, b in itertools.combinations(logs, 2):
         assert logs[a] != logs[b], f"{arch}: weight={a} and weight={b} keep the same sets"
