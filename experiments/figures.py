@@ -40,7 +40,7 @@ POLICY_COLORS = {
     "rmm": "tab:red",
     "oracle": "tab:green",
 }
-WEIGHT_COLORS = {"correct": "tab:red", "prob": "tab:blue", "uniform": "tab:gray"}
+WEIGHT_COLORS = {"correct": "tab:red", "prob": "tab:blue", "uniform": "tab:gray", "gradient": "tab:brown"}
 COMMIT_STYLES = {"accumulate": "-", "freeze": "--"}
 
 

@@ -24,9 +24,11 @@ rm -f "$OUT/runs/multirun.yaml"  # Hydra's record of the last sweep only; each r
 # runs.csv with each run's 95 % perplexity interval (ppl_ci_low/high), the table as "ppl [lo, hi]".
 "$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md" --intervals
 # Paired comparisons with intervals and per-document wins (docs/results.md quotes them): every run against
-# h2o at the same budget, rmm's commit weights against uniform, freeze against accumulate.
+# h2o at the same budget, rmm's commit weights against uniform and against correct (the gradient utility's
+# comparison), freeze against accumulate.
 "$PY" experiments/compare.py "$OUT/runs.csv" --baseline policy=h2o --baseline policy.weight=uniform \
-    --baseline policy.after_commit=accumulate --table "$OUT/comparison.md" >/dev/null
+    --baseline policy.weight=correct --baseline policy.after_commit=accumulate \
+    --table "$OUT/comparison.md" >/dev/null
 # Budget 128 for ppl_vs_lag and cumulative_ppl: the budget with the weight and after_commit ablations.
 "$PY" experiments/figures.py "$OUT/runs.csv" --out "$OUT/figures" --budget 128
 # window and random (ppl up to 292) squeeze the other policies into a thin band on a linear axis:

@@ -19,9 +19,9 @@ done
 rm -f "$OUT/runs/multirun.yaml"
 
 "$PY" experiments/reuse_report.py "$OUT/runs" --out "$OUT"
-# Where the memory goes: re-streams five B=128 runs of the main setting (about 5 minutes; SKIP_MEMORY=1 skips it).
+# Where the memory goes: re-streams six B=128 runs of the main setting (about 10 minutes; SKIP_MEMORY=1 skips it).
 if [ -z "${SKIP_MEMORY:-}" ]; then
     MAIN="$OUT/runs/smollm2_135m/reuse_r4d4_e32_g192_s0"
-    "$PY" experiments/reuse_memory.py "$MAIN"/{h2o_rho0.5,rmm_H48_correct_accumulate,rmm_H48_uniform_accumulate,oracle_next_use,rmm_H48_correct_freeze}_B128_C16_cache_s0 \
+    "$PY" experiments/reuse_memory.py "$MAIN"/{h2o_rho0.5,rmm_H48_correct_accumulate,rmm_H48_uniform_accumulate,oracle_next_use,rmm_H48_correct_freeze,rmm_H48_gradient_accumulate}_B128_C16_cache_s0 \
         --out "$OUT/memory.md"
 fi

@@ -5,8 +5,9 @@
 Writes into ``--out``: ``runs.csv`` (one row per run, with per-run intervals of recall NLL and accuracy),
 ``recall_table.md`` (recall NLL and accuracy per setting, budget and policy), ``comparison.md`` (paired
 per-token comparisons on the recall code tokens: every run against h2o at the same budget, rmm's weights
-against the uniform weight, freeze against accumulate), ``estimator.md`` (the estimator diagnostic here and
-on natural text, from ``--natural``), and ``figures/`` (recall NLL against lag, against the decoy fraction).
+against the uniform weight and against the correct weight, freeze against accumulate), ``estimator.md``
+(the estimator diagnostic here and on natural text, from ``--natural``), and ``figures/`` (recall NLL
+against lag, against the decoy fraction).
 
 Intervals over recall tokens resample documents as clusters and, within each, blocks of ``code_tokens``
 tokens (one code); every interval is a 95 % percentile interval (rmm/bootstrap.py).
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 SETTING = ["dataset.n_records", "dataset.n_decoys", "dataset.echo_gap", "dataset.recall_gap"]
 MAIN = {"dataset.n_decoys": 4, "dataset.recall_gap": 192}  # the setting of reuse_cpu_refs, _rmm, _lags
 REFERENCES = {"full": "black", "window": "tab:gray", "h2o": "tab:blue", "oracle": "tab:green"}
-WEIGHT_COLORS = {"correct": "tab:red", "prob": "tab:orange", "uniform": "tab:purple"}
+WEIGHT_COLORS = {"correct": "tab:red", "prob": "tab:orange", "uniform": "tab:purple", "gradient": "tab:brown"}
 
 
 def recall_intervals(frame: pd.DataFrame) -> pd.DataFrame:
@@ -117,14 +118,16 @@ def recall_table(frame: pd.DataFrame) -> str:
 
 
 def comparisons(frame: pd.DataFrame, block: int) -> pd.DataFrame:
-    """Paired comparisons on the recall tokens: against h2o, rmm weights against uniform, freeze against
-    accumulate (each only where the baseline run exists)."""
+    """Paired comparisons on the recall tokens: against h2o, rmm weights against uniform (accumulate) and
+    against correct (same after_commit), freeze against accumulate (each only where the baseline run
+    exists)."""
     options = {"segment": "recall", "block": block}
     frame = frame.assign(dataset=[_short_setting(row) for _, row in frame.iterrows()])
     parts = [compare_sweep(frame, "policy=h2o", **options)]
     rmm = frame[frame["policy"] == "rmm"]
     if not rmm.empty:
         parts.append(compare_sweep(rmm, "policy.weight=uniform,policy.after_commit=accumulate", **options))
+        parts.append(compare_sweep(rmm, "policy.weight=correct", **options))
         parts.append(compare_sweep(rmm, "policy.after_commit=accumulate", **options))
     return pd.concat([p for p in parts if not p.empty], ignore_index=True)
 
