@@ -44,15 +44,15 @@ MUTANTS = [
     Mutant(
         "rmm_weight_flip",
         "rmm/policies/rmm.py",
-        'state["utility"] += weighted_attention(attn, weight)',
-        'state["utility"] += weighted_attention(attn, weight.flip(0))',
+        'state["utility"] += weighted_attention(contribution, weight)',
+        'state["utility"] += weighted_attention(contribution, weight.flip(0))',
         "rmm: the chunk's query weights applied in reverse order (weight index flipped)",
     ),
     Mutant(
         "rmm_weight_shift",
         "rmm/policies/rmm.py",
-        'state["utility"] += weighted_attention(attn, weight)',
-        'state["utility"] += weighted_attention(attn, weight.roll(1))',
+        'state["utility"] += weighted_attention(contribution, weight)',
+        'state["utility"] += weighted_attention(contribution, weight.roll(1))',
         "rmm: each query's weight shifted to the next query",
     ),
     Mutant(
@@ -72,8 +72,8 @@ MUTANTS = [
     Mutant(
         "freeze_window",
         "rmm/policies/rmm.py",
-        "attn = attn * (age <= self.lag)",
-        "attn = attn * (age < self.lag)",
+        "contribution = contribution * (age <= self.lag)",
+        "contribution = contribution * (age < self.lag)",
         "rmm freeze: sums s in [j, j + H) instead of [j, j + H]",
     ),
     Mutant(
@@ -124,6 +124,20 @@ MUTANTS = [
         "self.budget - self.chunk + 1",
         "self.budget - self.chunk + 2",
         "score-based policies keep B - C + 2 (the chunk's last query sees B + 1)",
+    ),
+    Mutant(
+        "gradient_sign",
+        "rmm/memory.py",
+        "utility = (probs * (reach - per_value)).sum(dim=1)",
+        "utility = (probs * (per_value - reach)).sum(dim=1)",
+        "rmm weight=gradient: u_s(j) = +dl/dz instead of -dl/dz (the loss derivative's sign)",
+    ),
+    Mutant(
+        "gradient_chunk_detached",
+        "rmm/memory.py",
+        "return torch.cat([kept, graph_key], dim=1), chunk_values",
+        "return torch.cat([kept, graph_key.detach()], dim=1), chunk_values.detach()",
+        "rmm weight=gradient: the chunk's own keys and values detached (later queries' losses lost)",
     ),
 ]
 
