@@ -91,14 +91,18 @@ def kv_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, dtype: torch.d
     return slots * (2 * arch["head_dim"] * element + I64 + F32 * len(policy.state_names))
 
 
-def scratch_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, record: bool, sinks: bool) -> int:
-    """Attention masks, the recorded attention [L, H, C, S] and one layer's fp32 attention logits.
+def scratch_bytes(
+    arch: dict[str, Any], policy: Policy, n_tokens: int, record: bool, sinks: bool, gradient: bool = False
+) -> int:
+    """Attention masks, the recorded attention [L, H, C, S] and fp32 attention logits.
 
     Q is the tokens per forward pass (:func:`rmm.engine.stream_chunk`). Masks: [Q, S] shared by all
     layers and heads for position rules, [L, H, Q, S] for score-based
     policies; the blocked mask (its complement) exists when attention is recorded or sinks re-rotated.
     Recording also keeps the chunk's attention [L, H, C, S] fp32 and materialises one layer's logits,
-    masked logits and probabilities [n_heads, C, S] fp32 (three at once).
+    masked logits and probabilities [n_heads, C, S] fp32 (three at once). With ``gradient`` (rmm's
+    ``weight=gradient``) the backward pass keeps those three of every layer, plus the utility
+    [L, H, C, S] fp32.
     """
     retained, chunk = memory_slots(policy, n_tokens, record)
     slots = retained + chunk
@@ -106,22 +110,27 @@ def scratch_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, record: b
     mask = chunk * slots * BOOL * (1 if policy.per_query else layers_heads)
     total = mask * (2 if record or sinks else 1)
     if record:
+        kept_layers = arch["num_hidden_layers"] if gradient else 1
         total += layers_heads * chunk * slots * F32
-        total += 3 * arch["num_attention_heads"] * chunk * slots * F32
+        total += kept_layers * 3 * arch["num_attention_heads"] * chunk * slots * F32
+    if gradient:
+        total += layers_heads * chunk * slots * F32
     return total
 
 
-def activation_bytes(arch: dict[str, Any], chunk: int, dtype: torch.dtype) -> int:
+def activation_bytes(arch: dict[str, Any], chunk: int, dtype: torch.dtype, kept_layers: int = 1) -> int:
     """An estimate of one chunk's forward pass: hidden states, q/k/v, the MLP, and the logits.
 
-    Per token: 4 hidden vectors, q/k/v, 3 MLP intermediates in ``dtype``; the logits in ``dtype`` plus
-    their fp32 copy and log-softmax (the engine scores in fp32).
+    Per token and kept layer: 4 hidden vectors, q/k/v, 3 MLP intermediates in ``dtype``; once per token
+    the logits in ``dtype`` plus their fp32 copy and log-softmax (the engine scores in fp32). Without
+    autograd one layer's activations live at a time; rmm's ``weight=gradient`` keeps every layer's
+    (``kept_layers`` = L) for its backward pass.
     """
     element = torch.empty(0, dtype=dtype).element_size()
     qkv = (arch["num_attention_heads"] + 2 * arch["num_key_value_heads"]) * arch["head_dim"]
-    per_token = (4 * arch["hidden_size"] + qkv + 3 * arch["intermediate_size"]) * element
-    per_token += arch["vocab_size"] * (element + 2 * F32)
-    return chunk * per_token
+    per_layer = (4 * arch["hidden_size"] + qkv + 3 * arch["intermediate_size"]) * element
+    logits = arch["vocab_size"] * (element + 2 * F32)
+    return chunk * (kept_layers * per_layer + logits)
 
 
 def reference_context(cfg: DictConfig, arch: dict[str, Any], n_tokens: int) -> int:
@@ -146,11 +155,13 @@ def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
     dtype = resolve_dtype(cfg.dtype, "cuda")
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=chunk or cfg.chunk)
     element = torch.empty(0, dtype=dtype).element_size()
-    record = "attention" in policy.needs and not policy.per_query
+    gradient = "gradient" in policy.needs and not policy.per_query
+    record = bool({"attention", "gradient"} & policy.needs) and not policy.per_query
     sinks = cfg.positions == "cache" and policy.per_query and policy.sink_positions > 0
     kv = kv_bytes(arch, policy, n_tokens, dtype, record)
-    scratch = scratch_bytes(arch, policy, n_tokens, record, sinks)
-    activations = activation_bytes(arch, memory_slots(policy, n_tokens, record)[1], dtype)
+    scratch = scratch_bytes(arch, policy, n_tokens, record, sinks, gradient)
+    kept_layers = arch["num_hidden_layers"] if gradient else 1
+    activations = activation_bytes(arch, memory_slots(policy, n_tokens, record)[1], dtype, kept_layers)
     reference = 0
     if policy.needs_reference or (cfg.diagnostics.estimator and not policy.per_query):
         context = reference_context(cfg, arch, n_tokens)

@@ -37,7 +37,8 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
 def allocated(model, policy, positions: str = "original", record: bool | None = None) -> tuple[int, int]:
     """(KV bytes, scratch bytes) the engine allocates for the first chunk of an N_TOKENS stream."""
     engine = StreamingEngine(model, policy, positions=positions)
-    record = ("attention" in policy.needs and not policy.per_query) if record is None else record
+    if record is None:
+        record = bool({"attention", "gradient"} & policy.needs) and not policy.per_query
     memory = engine.new_memory(N_TOKENS, record_attention=record)
     logits_shapes = []
     if record:
@@ -47,10 +48,11 @@ def allocated(model, policy, positions: str = "original", record: bool | None = 
     position_ids = memory.begin_chunk(query_pos)
     model(input_ids=query_pos[None], position_ids=position_ids[None], kv_memory=memory, use_cache=False)
     kv = nbytes(memory.keys, memory.values, memory.key_pos, *memory.state.values())
-    scratch = nbytes(memory._allowed, memory._blocked, memory.attn)
-    if logits_shapes:  # one layer's fp32 logits, masked logits and probabilities [n_heads, Q, S]
-        kv_heads, queries, slots = logits_shapes[0]
-        scratch += 3 * model.config.num_attention_heads * queries * slots * 4
+    scratch = nbytes(memory._allowed, memory._blocked, memory.attn, memory.utility)
+    if logits_shapes:  # fp32 logits, masked logits and probabilities [n_heads, Q, S]: one layer's at a
+        kv_heads, queries, slots = logits_shapes[0]  # time, every layer's for a backward pass
+        kept_layers = len(memory._outputs) if memory.track_gradient else 1
+        scratch += kept_layers * 3 * model.config.num_attention_heads * queries * slots * 4
     return kv, scratch
 
 
@@ -69,8 +71,15 @@ def allocated(model, policy, positions: str = "original", record: bool | None = 
         (["policy=h2o", "budget=16", "chunk=4"], {"name": "h2o"}, 16, 4, "original"),
         (["policy=rmm", "budget=16", "chunk=4", "lag=8"], {"name": "rmm", "lag": 8}, 16, 4, "original"),
         (["policy=tova", "budget=16", "chunk=4", "positions=cache"], {"name": "tova"}, 16, 4, "cache"),
+        (
+            ["policy=rmm", "budget=16", "chunk=4", "lag=8", "policy.weight=gradient"],
+            {"name": "rmm", "lag": 8, "weight": "gradient"},
+            16,
+            4,
+            "original",
+        ),
     ],
-    ids=["window", "streaming_llm-cache", "full", "h2o", "rmm", "tova-cache"],
+    ids=["window", "streaming_llm-cache", "full", "h2o", "rmm", "tova-cache", "rmm-gradient"],
 )
 def test_kv_and_scratch_match_allocations(saved, overrides, policy_cfg, budget, chunk, positions):
     path, model = saved
@@ -131,3 +140,15 @@ def test_needs_a_stream_length(saved):
     path, _ = saved
     with pytest.raises(ValueError, match="dataset.max_tokens"):
         planner.plan(compose(path, "dataset.max_tokens=null"))
+
+
+def test_gradient_weight_plans_the_backward_pass(saved):
+    """rmm(weight=gradient) keeps every layer's activations and attention for its backward pass."""
+    path, _ = saved
+    correct = planner.plan(compose(path, "policy=rmm", "budget=16", "chunk=4", "lag=8"))
+    gradient = planner.plan(
+        compose(path, "policy=rmm", "budget=16", "chunk=4", "lag=8", "policy.weight=gradient")
+    )
+    assert gradient.kv_bytes == correct.kv_bytes
+    assert gradient.scratch_bytes > correct.scratch_bytes
+    assert gradient.activation_bytes > correct.activation_bytes
