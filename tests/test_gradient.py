@@ -100,13 +100,15 @@ def test_gradient_leaves_no_autograd_state(tiny_models, streams):
         for tensor in [memory.keys, memory.values, memory.attn, memory.utility, *memory.state.values()]:
             assert not tensor.requires_grad and tensor.grad_fn is None
         assert not memory._outputs, "the chunk's graph must be released after its backward pass"
+        if now % 16:  # counting every object is slow: every fourth boundary
+            return
         gc.collect()
         with warnings.catch_warnings():  # inspecting every object touches deprecated torch attributes
             warnings.simplefilter("ignore")
             live.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o)))
 
     StreamingEngine(model, policy).stream(tokens, before_boundary=check)
-    assert len(live) > 10 and max(live[2:]) == min(live[2:]), live
+    assert len(live) >= 4 and max(live) == min(live), live
 
 
 def test_only_the_gradient_weight_enables_autograd(tiny_models, streams):
