@@ -192,6 +192,7 @@ def reference_matrix(
     rows = []
     models: dict[str, PreTrainedModel] = {}
     streams: dict[str, torch.Tensor] = {}
+    engine_models: dict[tuple[str, torch.dtype], PreTrainedModel] = {}  # one per (arch, dtype), not per case
     for arch, name, params, chunk, positions in cases:
         if arch not in models:
             models[arch] = tiny_model(arch)
@@ -202,7 +203,9 @@ def reference_matrix(
         spec = ReferenceSpec(policy=name, budget=MATRIX_BUDGET, chunk=chunk, positions=positions, **params)
         ref_nll, ref_correct = reference_stream(reference_model, tokens, spec)
         for dtype in dtypes:
-            model = tiny_model(arch).to(device=device, dtype=dtype)
+            if (arch, dtype) not in engine_models:
+                engine_models[arch, dtype] = tiny_model(arch).to(device=device, dtype=dtype)
+            model = engine_models[arch, dtype]
             result, sets = engine_run(model, tokens.to(device), name, params, chunk, positions)
             row = compare(result, sets, ref_nll, ref_correct, spec.retained_log)
             case = f"{name}-{'-'.join(map(str, params.values()))}".rstrip("-")

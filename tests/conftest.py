@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -59,6 +61,45 @@ def record_max(name: str, value: float) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     for name, (largest, count) in sorted(MEASURED.items()):
         terminalreporter.write_line(f"measured: {name}: largest {largest:.2e} over {count} streams")
+
+
+# A test marked ``background(args, **popen_kwargs)`` receives its finished subprocess from the ``background``
+# fixture. The selected tests' commands start when collection ends, so a fresh interpreter (importing torch
+# and transformers takes about 5 s) runs on the machine's second core while the suite goes on.
+_STARTED: dict[str, subprocess.Popen] = {}
+
+
+def _start(marker: pytest.Mark) -> subprocess.Popen:
+    return subprocess.Popen(
+        *marker.args, **marker.kwargs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "background(args, **kwargs): a subprocess started at collection")
+
+
+def pytest_collection_finish(session) -> None:
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if (marker := item.get_closest_marker("background")) is not None:
+            _STARTED[item.nodeid] = _start(marker)
+
+
+def pytest_sessionfinish(session) -> None:
+    while _STARTED:  # the commands of tests that did not run (-x, an interrupt)
+        process = _STARTED.popitem()[1]
+        process.kill()
+        process.communicate()
+
+
+@pytest.fixture
+def background(request) -> subprocess.CompletedProcess:
+    """The test's ``background`` command, finished (started now if it was not at collection)."""
+    process = _STARTED.pop(request.node.nodeid, None) or _start(request.node.get_closest_marker("background"))
+    stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:

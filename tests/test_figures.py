@@ -49,6 +49,14 @@ def runs_csv(results: Path, runs: pd.DataFrame) -> Path:
     return csv
 
 
+@pytest.fixture(scope="module")
+def drawn(runs: pd.DataFrame, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """Every figure with its defaults, drawn and saved once (make_all) for the tests that read them,
+    and the folder they are saved in."""
+    out_dir = tmp_path_factory.mktemp("figures")
+    return figures.make_all(runs, out_dir), out_dir
+
+
 def ppl_of(frame: pd.DataFrame, **where: object) -> float:
     mask = np.ones(len(frame), dtype=bool)
     for column, value in where.items():
@@ -146,9 +154,9 @@ def lines_by_label(ax: object) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     }
 
 
-def test_ppl_vs_budget(runs: pd.DataFrame, tmp_path: Path) -> None:
-    fig = figures.ppl_vs_budget(runs, tmp_path)
-    assert_saved(tmp_path, "ppl_vs_budget")
+def test_ppl_vs_budget(drawn: tuple[dict, Path]) -> None:
+    fig = drawn[0]["ppl_vs_budget"]
+    assert_saved(drawn[1], "ppl_vs_budget")
     lines = lines_by_label(fig.axes[0])
     assert set(lines) == {
         "window",
@@ -169,9 +177,9 @@ def test_ppl_vs_budget(runs: pd.DataFrame, tmp_path: Path) -> None:
     assert "weight=correct" in fig.axes[0].get_title()
 
 
-def test_ppl_vs_lag(runs: pd.DataFrame, tmp_path: Path) -> None:
-    fig = figures.ppl_vs_lag(runs, tmp_path)
-    assert_saved(tmp_path, "ppl_vs_lag")
+def test_ppl_vs_lag(runs: pd.DataFrame, drawn: tuple[dict, Path], tmp_path: Path) -> None:
+    fig = drawn[0]["ppl_vs_lag"]
+    assert_saved(drawn[1], "ppl_vs_lag")
     ax = fig.axes[0]
     assert "B=128" in ax.get_title()  # the largest budget with several lags
     lines = lines_by_label(ax)
@@ -202,9 +210,9 @@ def test_cumulative_ppl(runs: pd.DataFrame, tmp_path: Path) -> None:
         assert y[-1] == pytest.approx(expected_ppl(policy, 64, lag, weight), rel=1e-4)  # all tokens pooled
 
 
-def test_throughput_memory(runs: pd.DataFrame, tmp_path: Path) -> None:
-    fig = figures.throughput_memory(runs, tmp_path)
-    assert_saved(tmp_path, "throughput_memory")
+def test_throughput_memory(drawn: tuple[dict, Path]) -> None:
+    fig = drawn[0]["throughput_memory"]
+    assert_saved(drawn[1], "throughput_memory")
     speed, memory = (lines_by_label(ax) for ax in fig.axes[:2])
     assert speed["h2o"][1] == pytest.approx([synthetic.tokens_per_s("h2o", b) for b in BUDGETS])
     assert speed["full (no eviction)"][1][0] == pytest.approx(synthetic.tokens_per_s("full", 256))
@@ -213,9 +221,9 @@ def test_throughput_memory(runs: pd.DataFrame, tmp_path: Path) -> None:
     )
 
 
-def test_measure_vs_accumulate(runs: pd.DataFrame, tmp_path: Path) -> None:
-    fig = figures.measure_vs_accumulate(runs, tmp_path)
-    assert_saved(tmp_path, "measure_vs_accumulate")
+def test_measure_vs_accumulate(runs: pd.DataFrame, drawn: tuple[dict, Path]) -> None:
+    fig = drawn[0]["measure_vs_accumulate"]
+    assert_saved(drawn[1], "measure_vs_accumulate")
     ax, twin = fig.axes
     lines = lines_by_label(ax)
     for lag in LAGS:
@@ -290,8 +298,9 @@ def test_notebook_runs_on_synthetic_results(
         assert_saved(tmp_path / "figures", name)
 
 
-def test_legends_outside_the_axes(runs: pd.DataFrame, tmp_path: Path) -> None:
-    for name, fig in figures.make_all(runs, tmp_path).items():
+def test_legends_outside_the_axes(drawn: tuple[dict, Path]) -> None:
+    assert set(drawn[0]) == set(FIGURE_NAMES)
+    for name, fig in drawn[0].items():
         renderer = fig.canvas.get_renderer()
         (legend,) = fig.legends
         box = legend.get_window_extent(renderer)
@@ -299,13 +308,13 @@ def test_legends_outside_the_axes(runs: pd.DataFrame, tmp_path: Path) -> None:
             assert not box.overlaps(ax.get_window_extent(renderer)), name
 
 
-def test_figures_draw_the_intervals(runs: pd.DataFrame, tmp_path: Path) -> None:
-    fig = figures.ppl_vs_budget(runs, tmp_path)
+def test_figures_draw_the_intervals(runs: pd.DataFrame, drawn: tuple[dict, Path]) -> None:
+    fig = drawn[0]["ppl_vs_budget"]
     bars = np.concatenate([np.asarray(c.get_segments()) for c in fig.axes[0].collections])  # (n, 2, 2)
     h2o = runs[runs["policy"] == "h2o"].sort_values("budget")
     for low, high in zip(h2o["ppl_ci_low"], h2o["ppl_ci_high"], strict=True):
         assert any(np.allclose(seg[:, 1], [low, high]) for seg in bars)
-    lag = figures.ppl_vs_lag(runs, tmp_path)  # one h2o run at the budget: bands paired against it
+    lag = drawn[0]["ppl_vs_lag"]  # one h2o run at the budget: bands paired against it
     assert "paired against h2o" in lag.axes[0].get_title() and len(lag.axes[0].collections) == 2
 
 

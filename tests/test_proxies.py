@@ -61,6 +61,7 @@ def check_bf16(frame: pd.DataFrame) -> None:
     assert (means["argmax_agreement"] >= DECIDING_ARGMAX_AGREEMENT).all(), means
 
 
+@pytest.mark.slow  # the fast loop checks bf16 on every policy in test_gpu_check.py (the --small matrix)
 def test_bf16_policy_matrix_llama():
     frame = gpu_check.reference_matrix(CPU, [torch.bfloat16], gpu_check.matrix_cases(["llama"]))
     assert set(frame["policy"]) == set(POLICIES)
@@ -122,7 +123,18 @@ def _model_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim
     return torch.cat([rot * cos[:, None] + rotated_half * sin[:, None], rest], dim=-1)
 
 
-@pytest.mark.parametrize("stem", SHIPPED)
+# Every feature of these geometries is in another one's proxy (llama3_8b: llama3_1_8b's without its rope
+# scaling; qwen2_5_7b: qwen2_5_0_5b's with head_dim 128, as the Llama and Mistral ones): slow suite only.
+COVERED_GEOMETRIES = ("llama3_8b", "qwen2_5_7b")
+
+
+def test_covered_geometries_are_shipped():
+    assert set(COVERED_GEOMETRIES) < set(SHIPPED)
+
+
+@pytest.mark.parametrize(
+    "stem", [pytest.param(stem, marks=[pytest.mark.slow] * (stem in COVERED_GEOMETRIES)) for stem in SHIPPED]
+)
 def test_geometry_proxy_matches_reference(stem):
     """Each shipped geometry (GQA ratio, head_dim, rope theta and scaling, window) against the reference."""
     model = geometry_model(stem)
