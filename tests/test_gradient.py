@@ -74,7 +74,7 @@ def test_gradient_utility_is_the_gate_derivative(arch):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 @pytest.mark.parametrize("positions", ["original", "cache"])
-@pytest.mark.parametrize("after_commit", ["accumulate", "freeze"])
+@pytest.mark.parametrize("after_commit", ["accumulate", pytest.param("freeze", marks=pytest.mark.slow)])
 def test_gradient_weight_matches_reference_at_chunk_1(streams, tiny_models, arch, positions, after_commit):
     params = {**GRADIENT, "after_commit": after_commit}
     model, tokens = tiny_models[arch], streams[arch]
