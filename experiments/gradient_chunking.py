@@ -13,7 +13,9 @@ nothing evicted (every earlier position is visible), so the two differ only in t
   every (layer, KV head, key j), pooled over chunks;
 - at every boundary, DU_j accumulated from the start, ranked per (layer, KV head) over the committed keys
   (j < now - lag): the Spearman correlation, and the share of the top ``budget - chunk + 1 - lag`` committed
-  keys (the ones a budget of ``--budget`` would keep) that the two definitions choose differently.
+  keys (the ones a budget of ``--budget`` would keep) that the two definitions choose differently;
+- for the chunk-sum DU, how often position 0 (where attention sinks form) has a negative utility and how
+  often it falls outside those top keys.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def main() -> None:
     start_time = time.perf_counter()
     du = {False: None, True: None}
     chunk_pairs, boundary_rho, differ = [], [], []
+    sink_negative, sink_dropped = [], []  # position 0 under the chunk-sum DU, per boundary x head
     for start in range(0, n - 1, chunk):
         stop = min(start + chunk, n - 1)  # queries with a target
         parts = {q: chunk_utility(model, tokens, start, stop, keys, values, q) for q in (False, True)}
@@ -104,6 +107,8 @@ def main() -> None:
                 boundary_rho.append(spearmanr(a, b).statistic)
                 kept_a, kept_b = set(np.argsort(-a)[:room]), set(np.argsort(-b)[:room])
                 differ.append(len(kept_a - kept_b) / room)
+                sink_negative.append(a[0] < 0)
+                sink_dropped.append(0 not in kept_a)
     chunk_rho = spearmanr(
         np.concatenate([p[0] for p in chunk_pairs]), np.concatenate([p[1] for p in chunk_pairs])
     )
@@ -122,6 +127,11 @@ def main() -> None:
             f"differs in {100 * np.mean(differ):.2f} % of its keys on average "
             f"(max {100 * np.max(differ):.1f} %), over "
             f"{len(differ)} boundary x head decisions"
+        )
+        print(
+            f"position 0 (the attention sink) under the chunk-sum DU: negative in "
+            f"{100 * np.mean(sink_negative):.1f} %, outside the top {room} in "
+            f"{100 * np.mean(sink_dropped):.1f} % of those decisions"
         )
 
 
