@@ -142,3 +142,16 @@ def test_reference_per_query_loss_equals_chunk_loss_at_chunk_1(tiny_models, stre
             logs[loss, chunk] = spec.retained_log
     assert logs["chunk", 1] == logs["query", 1]
     assert logs["chunk", 4] != logs["query", 4], "at C=4 the two losses should rank differently here"
+
+
+@pytest.mark.slow  # loads SmolLM2
+def test_gradient_chunking_script_runs(capsys, monkeypatch):
+    """experiments/gradient_chunking.py end to end on a short stream: both comparisons and the sink line."""
+    from experiments import gradient_chunking
+
+    args = ["--tokens", "48", "--chunk", "8", "--lag", "8", "--budget", "24", "--threads", "1"]
+    monkeypatch.setattr("sys.argv", ["gradient_chunking", *args])
+    gradient_chunking.main()
+    out = capsys.readouterr().out
+    assert "chunk-sum vs per-query: Spearman" in out
+    assert "kept set (top 9) differs" in out and "position 0" in out
