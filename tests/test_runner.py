@@ -217,6 +217,14 @@ def test_bounded_run_records_what_protocol_asks(tiny_setup, tmp_path):
     assert metrics["correct_frac"] == pytest.approx(tokens.correct.astype(float).mean())
 
 
+def test_estimator_of_the_future_mass_oracle_is_exact(tiny_setup, tmp_path):
+    """The estimator diagnostic pairs each committing position's score with the oracle's remaining reference
+    mass; oracle(future_mass) scores by exactly that mass, so its Spearman correlation must be 1."""
+    options = ["policy=oracle", "policy.variant=future_mass", "diagnostics.estimator=true"]
+    metrics = run(config(tiny_setup, *options), tmp_path)
+    assert metrics["estimator_spearman"] == pytest.approx(1.0, abs=1e-12)
+
+
 def test_resume_skips_a_complete_run(tiny_setup, tmp_path):
     run(config(tiny_setup, "policy=window"), tmp_path)
     stamp = (tmp_path / "metrics.json").stat().st_mtime_ns
