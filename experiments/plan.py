@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rmm.engine import stream_chunk
+from rmm.engine import records_probabilities, stream_chunk
 from rmm.models import architecture, config_from_architecture, resolve_dtype
 from rmm.policies import Policy, make_policy
 
@@ -156,7 +156,7 @@ def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=chunk or cfg.chunk)
     element = torch.empty(0, dtype=dtype).element_size()
     gradient = "gradient" in policy.needs and not policy.per_query
-    record = bool({"attention", "gradient"} & policy.needs) and not policy.per_query
+    record = records_probabilities(policy)
     sinks = cfg.positions == "cache" and policy.per_query and policy.sink_positions > 0
     kv = kv_bytes(arch, policy, n_tokens, dtype, record)
     scratch = scratch_bytes(arch, policy, n_tokens, record, sinks, gradient)

@@ -31,6 +31,12 @@ BoundaryHook = Callable[[SlotMemory, int, torch.Tensor], None]
 POSITION_RULE_CHUNK = 1024
 
 
+def records_probabilities(policy: Policy) -> bool:
+    """Whether the engine computes attention probabilities for ``policy``'s own use (eager path): a
+    score-based policy that needs ``attention``, or ``gradient`` (whose utility is built from them)."""
+    return not policy.per_query and bool({"attention", "gradient"} & policy.needs)
+
+
 def stream_chunk(policy: Policy, record_attention: bool) -> int:
     """Tokens per forward pass: C for score-based policies and whenever attention is recorded,
     max(C, POSITION_RULE_CHUNK) for position rules otherwise."""
@@ -134,8 +140,7 @@ class StreamingEngine:
         tokens = tokens.to(self.device)
         policy = self.policy
         scoring = not policy.per_query
-        probabilities = scoring and bool({"attention", "gradient"} & policy.needs)
-        memory = self.new_memory(n, probabilities or observer is not None)
+        memory = self.new_memory(n, records_probabilities(policy) or observer is not None)
         nll = torch.empty(n - 1, device=self.device)
         correct = torch.empty(n - 1, dtype=torch.bool, device=self.device)
         attended, age_sum, n_evicted = 0.0, 0.0, 0

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_model
 
 from experiments import plan as planner
-from rmm.engine import StreamingEngine, stream_chunk
+from rmm.engine import StreamingEngine, records_probabilities, stream_chunk
 from rmm.policies import make_policy
 
 N_TOKENS = 48
@@ -38,7 +38,7 @@ def allocated(model, policy, positions: str = "original", record: bool | None = 
     """(KV bytes, scratch bytes) the engine allocates for the first chunk of an N_TOKENS stream."""
     engine = StreamingEngine(model, policy, positions=positions)
     if record is None:
-        record = bool({"attention", "gradient"} & policy.needs) and not policy.per_query
+        record = records_probabilities(policy)
     memory = engine.new_memory(N_TOKENS, record_attention=record)
     logits_shapes = []
     if record:
