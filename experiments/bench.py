@@ -2,6 +2,7 @@
 
     python experiments/bench.py [--tokens 4096] [--budget 256] [--chunk 64] [--threads 2] [--repeats 1]
     python experiments/bench.py --chunks 64 256 512     # throughput against C, engine and plain forward
+    python experiments/bench.py --profile               # top operators: streaming_llm (cache) vs window
 
 Prints tokens/s of the engine under every policy (position rules, attention-based and attention-free
 score-based policies), of a token-by-token physical-eviction loop (StreamingLLM's evaluation method:
@@ -178,6 +179,26 @@ def chunk_sweep(model, tokens: torch.Tensor, chunks: list[int], budget: int) -> 
         )
 
 
+def profile(model, tokens: torch.Tensor, budget: int, chunk: int, top: int = 12) -> None:
+    """The operators that take the time of one stream under window and under streaming_llm with cache
+    positions (torch.profiler, self CPU time), printed side by side."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, positions in (("window", "original"), ("streaming_llm", "cache")):
+        engine = StreamingEngine(
+            model, make_policy({"name": name}, budget=budget, chunk=chunk), positions=positions
+        )
+        engine.stream(tokens[: 2 * budget + 1])  # warm-up
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
+        rate = (tokens.numel() - 1) / seconds
+        print(f"\n{name} positions={positions}: {rate:.1f} tokens/s under the profiler")
+        print(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -209,6 +230,9 @@ def main() -> None:
         metavar="C",
         help="only sweep the chunk (e.g. 64 256 512): engine and plain forward at each C, B >= 2 max(C)",
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="only profile window and streaming_llm (cache): top operators"
+    )
     parser.add_argument("--stream-peak", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -221,6 +245,8 @@ def main() -> None:
         OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
     tokens = load_tokens(tokenizer, args.tokens)
+    if args.profile:
+        return profile(model, tokens, args.budget, args.chunk)
     if args.chunks:
         return chunk_sweep(model, tokens, args.chunks, max(args.budget, 2 * max(args.chunks)))
     n = tokens.numel()

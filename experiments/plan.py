@@ -92,13 +92,20 @@ def kv_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, dtype: torch.d
 
 
 def scratch_bytes(
-    arch: dict[str, Any], policy: Policy, n_tokens: int, record: bool, sinks: bool, gradient: bool = False
+    arch: dict[str, Any],
+    policy: Policy,
+    n_tokens: int,
+    record: bool,
+    sinks: bool,
+    gradient: bool = False,
+    element: int = F32,
 ) -> int:
     """Attention masks, the recorded attention [L, H, C, S] and fp32 attention logits.
 
     Q is the tokens per forward pass (:func:`rmm.engine.stream_chunk`). Masks: [Q, S] shared by all
     layers and heads for position rules, [L, H, Q, S] for score-based
-    policies; the blocked mask (its complement) exists when attention is recorded or sinks re-rotated.
+    policies; the blocked mask (its complement) exists when attention is recorded or sinks re-rotated,
+    and re-rotated sinks add an additive mask [Q, S] of ``element`` bytes (the model's dtype).
     Recording also keeps the chunk's attention [L, H, C, S] fp32 and materialises one layer's logits,
     masked logits and probabilities [n_heads, C, S] fp32 (three at once). With ``gradient`` (rmm's
     ``weight=gradient``) the backward pass keeps those three of every layer, plus the utility
@@ -109,6 +116,8 @@ def scratch_bytes(
     layers_heads = arch["num_hidden_layers"] * arch["num_key_value_heads"]
     mask = chunk * slots * BOOL * (1 if policy.per_query else layers_heads)
     total = mask * (2 if record or sinks else 1)
+    if sinks:
+        total += chunk * slots * element
     if record:
         kept_layers = arch["num_hidden_layers"] if gradient else 1
         total += layers_heads * chunk * slots * F32
@@ -159,7 +168,7 @@ def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
     record = records_probabilities(policy)
     sinks = cfg.positions == "cache" and policy.per_query and policy.sink_positions > 0
     kv = kv_bytes(arch, policy, n_tokens, dtype, record)
-    scratch = scratch_bytes(arch, policy, n_tokens, record, sinks, gradient)
+    scratch = scratch_bytes(arch, policy, n_tokens, record, sinks, gradient, element)
     kept_layers = arch["num_hidden_layers"] if gradient else 1
     activations = activation_bytes(arch, memory_slots(policy, n_tokens, record)[1], dtype, kept_layers)
     reference = 0

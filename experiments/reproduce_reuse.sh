@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=results/cpu/reuse
-read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-refs rmm lags decoys decoys_uniform gap extra freeze b64 b64_rmm gradient gradient_freeze}"
+read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-refs rmm lags decoys decoys_uniform gap extra freeze b64 b64_rmm gradient gradient_freeze smoother}"
 
 for sweep in "${SWEEPS[@]}"; do
     start=$(date +%s)

@@ -68,11 +68,17 @@ def replicate_means(
     block: int = BLOCK,
     n_resamples: int = N_RESAMPLES,
     seed: int = SEED,
+    groups: np.ndarray | None = None,
 ) -> np.ndarray:
     """Bootstrap replicates of the token-weighted mean (documents, then blocks within each drawn document).
 
     values: (N,) per-token values, document after document, each document in token order.
     doc_sizes: (D,) number of tokens of each document (positive, summing to N). Returns (n_resamples,).
+    groups: optional (D,) label of each document's top cluster (e.g. the generator seed that made it).
+    Then a replicate first draws as many groups as there are, with replacement, and within every drawn
+    copy of a group as many of its documents as it has, with replacement; blocks within documents as
+    before. The resampling depends only on the sizes, groups, block and seed, never on the values, so
+    two calls with the same arguments but different values resample the same tokens.
     """
     values = np.asarray(values, dtype=np.float64)
     doc_sizes = np.asarray(doc_sizes, dtype=np.int64)
@@ -83,8 +89,7 @@ def replicate_means(
     if not np.isfinite(values).all():
         raise ValueError("values must be finite (drop unscored tokens first)")
     rng = np.random.default_rng(seed)
-    n_docs = doc_sizes.size
-    draws = rng.multinomial(n_docs, np.full(n_docs, 1.0 / n_docs), size=n_resamples)  # (R, D)
+    draws = _doc_draws(doc_sizes.size, groups, n_resamples, rng)  # (R, D)
     numerator = np.zeros(n_resamples)
     for doc, document in enumerate(np.split(values, np.cumsum(doc_sizes)[:-1])):
         count = draws[:, doc]
@@ -96,6 +101,26 @@ def replicate_means(
     return numerator / (draws @ doc_sizes)
 
 
+def _doc_draws(n_docs: int, groups: np.ndarray | None, n_resamples: int, rng: np.random.Generator):
+    """(R, D) how often each document is drawn per replicate: documents with replacement, or, with
+    ``groups``, groups with replacement and then documents with replacement within each drawn group."""
+    if groups is None:
+        return rng.multinomial(n_docs, np.full(n_docs, 1.0 / n_docs), size=n_resamples)
+    groups = np.asarray(groups)
+    if groups.shape != (n_docs,):
+        raise ValueError(f"groups must hold one label per document ({n_docs}), got shape {groups.shape}")
+    labels = np.unique(groups)
+    group_draws = rng.multinomial(labels.size, np.full(labels.size, 1.0 / labels.size), size=n_resamples)
+    draws = np.zeros((n_resamples, n_docs), dtype=np.int64)
+    for g, label in enumerate(labels):
+        members = np.flatnonzero(groups == label)
+        n_members = members.size
+        draws[:, members] = rng.multinomial(
+            group_draws[:, g] * n_members, np.full(n_members, 1.0 / n_members)
+        )
+    return draws
+
+
 def mean_interval(
     values: np.ndarray,
     doc_sizes: np.ndarray,
@@ -103,11 +128,12 @@ def mean_interval(
     n_resamples: int = N_RESAMPLES,
     confidence: float = CONFIDENCE,
     seed: int = SEED,
+    groups: np.ndarray | None = None,
 ) -> Interval:
     """The token-weighted mean of ``values`` with its percentile interval (see :func:`replicate_means`)."""
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    replicates = replicate_means(values, doc_sizes, block=block, n_resamples=n_resamples, seed=seed)
+    replicates = replicate_means(values, doc_sizes, block, n_resamples, seed, groups)
     alpha = (1.0 - confidence) / 2.0
     low, high = np.quantile(replicates, [alpha, 1.0 - alpha])
     estimate = float(np.asarray(values, dtype=np.float64).mean())

@@ -2,7 +2,12 @@
 
 Key j is *requested* by query s when the reference pass's attention a*_s(j) (GQA group summed) is at
 least ``tau``. Events are stored sorted by a single int64 code ((layer * H + head) * N + j) * N + s,
-so next-request times and remaining attention mass are one ``searchsorted`` away.
+so next-request times, remaining attention mass and remaining utility are one ``searchsorted`` away.
+
+The reference pass also scores its own predictions: per query s, ``correct`` (argmax p(. | s) =
+x_{s+1}), ``prob`` (p(x_{s+1} | s)) and ``uniform`` (1), with 0 for the last query's ``correct`` and
+``prob`` (it has no target). The remaining utility weights each request's attention by its query's
+weight (the smoother, rmm's H = infinity limit).
 """
 
 from __future__ import annotations
@@ -23,13 +28,26 @@ class FutureRequests:
     ----------
     codes : [E] int64 event codes ((layer * n_heads + head) * n_tokens + key) * n_tokens + query.
     mass : [E] float reference attention of each event.
+    query_weights : weight name -> [n_tokens] float, the reference pass's own weight of each query
+        (``correct``, ``prob``); ``uniform`` is implied.
     """
 
-    def __init__(self, n_layers: int, n_heads: int, n_tokens: int, codes: torch.Tensor, mass: torch.Tensor):
+    def __init__(
+        self,
+        n_layers: int,
+        n_heads: int,
+        n_tokens: int,
+        codes: torch.Tensor,
+        mass: torch.Tensor,
+        query_weights: dict[str, torch.Tensor] | None = None,
+    ):
         order = torch.argsort(codes)
         self.n_layers, self.n_heads, self.n_tokens = n_layers, n_heads, n_tokens
         self.codes = codes[order]
-        self.cum_mass = torch.cat([mass.new_zeros(1), mass[order].double().cumsum(0)])
+        self.mass = mass[order].double()
+        self.cum_mass = torch.cat([self.mass.new_zeros(1), self.mass.cumsum(0)])
+        self.query_weights = dict(query_weights or {})
+        self._cum_utility: dict[str, torch.Tensor] = {}
 
     def _bases(self, key_pos: torch.Tensor) -> torch.Tensor:
         n_layers, n_heads, _ = key_pos.shape
@@ -56,6 +74,26 @@ class FutureRequests:
         stop = torch.searchsorted(self.codes, base + self.n_tokens)
         return (self.cum_mass[stop] - self.cum_mass[start]).float().to(key_pos.device)
 
+    def remaining_utility(self, key_pos: torch.Tensor, now: int, weight: str) -> torch.Tensor:
+        """Sum over the recorded requests of each key by queries s >= now of a*_s(j) * w*_s: [L, H, S].
+
+        ``weight`` names w*: ``correct``, ``prob`` (the reference pass's own outcomes) or ``uniform``
+        (then exactly :meth:`remaining_mass`).
+        """
+        if weight == "uniform":
+            return self.remaining_mass(key_pos, now)
+        if weight not in self._cum_utility:
+            if weight not in self.query_weights:
+                raise ValueError(f"the reference pass recorded no query weight {weight!r}")
+            per_event = self.query_weights[weight].double()[self.codes % self.n_tokens]
+            utility = self.mass * per_event
+            self._cum_utility[weight] = torch.cat([utility.new_zeros(1), utility.cumsum(0)])
+        cum = self._cum_utility[weight]
+        base = self._bases(key_pos).to(self.codes.device)
+        start = torch.searchsorted(self.codes, base + now)
+        stop = torch.searchsorted(self.codes, base + self.n_tokens)
+        return (cum[stop] - cum[start]).float().to(key_pos.device)
+
 
 class RequestRecorder:
     """Collects events (attention >= tau) chunk by chunk during a reference pass."""
@@ -81,13 +119,13 @@ class RequestRecorder:
             )
         )
 
-    def finish(self, n_tokens: int) -> FutureRequests:
+    def finish(self, n_tokens: int, query_weights: dict[str, torch.Tensor] | None = None) -> FutureRequests:
         assert self.shape is not None, "the reference pass recorded nothing"
         triples = torch.cat([e[0] for e in self.events], dim=1)
         mass = torch.cat([e[1] for e in self.events])
         lh, keys, queries = triples
         codes = (lh * n_tokens + keys) * n_tokens + queries
-        return FutureRequests(*self.shape, n_tokens, codes, mass)
+        return FutureRequests(*self.shape, n_tokens, codes, mass, query_weights)
 
 
 def record_future(
@@ -97,12 +135,17 @@ def record_future(
 
     Streams ``tokens`` with a ``window`` of ``context`` positions (exact full attention when the stream
     is no longer than ``context``), original positions, and records every (query, key) pair whose
-    attention is at least ``tau``.
+    attention is at least ``tau``, and each query's ``correct`` and ``prob`` weights [n] in that pass.
     """
     recorder = RequestRecorder(tau)
     window = Window(budget=context, chunk=min(chunk, context))
-    StreamingEngine(model, window).stream(tokens, observer=recorder)
-    return recorder.finish(tokens.numel())
+    result = StreamingEngine(model, window).stream(tokens, observer=recorder)
+    no_target = torch.zeros(1)  # the last query predicts nothing
+    weights = {
+        "correct": torch.cat([result.correct.float(), no_target]),
+        "prob": torch.cat([torch.exp(-result.nll.double()).float(), no_target]),
+    }
+    return recorder.finish(tokens.numel(), weights)
 
 
 class ReferencePass:

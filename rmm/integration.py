@@ -83,23 +83,12 @@ def bounded_attention(
         kv_memory.store_queries(layer, q)
 
     if not kv_memory.record_attention:
-        query_keys = keys
-        if sink_query is not None:
-            # the sink slots see the query re-rotated to its cache rank, every other slot the query
-            # itself: one fused call over [q, q_sink] . [k, 0] (other slots) or [0, k] (sink slots)
-            n_sinks = kv_memory.n_sink_slots
-            other, sinks = keys.clone(), torch.zeros_like(keys)
-            other[:, :n_sinks] = 0
-            sinks[:, :n_sinks] = keys[:, :n_sinks]
-            q, query_keys = torch.cat([q, sink_query], dim=-1), torch.cat([other, sinks], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q,
-            query_keys[:, None],
-            values[:, None],
-            attn_mask=allowed[:, None],
-            scale=scaling,
-            enable_gqa=True,
-        )
+        if sink_query is None:
+            out = F.scaled_dot_product_attention(
+                q, keys[:, None], values[:, None], attn_mask=allowed[:, None], scale=scaling, enable_gqa=True
+            )
+        else:
+            out = _attention_with_sinks(q, sink_query, keys, values, kv_memory, layer, scaling)
     else:
         logits = torch.matmul(q, keys[:, None].transpose(-1, -2)).float() * scaling  # [H, G, Q, S]
         if sink_query is not None:
@@ -117,6 +106,61 @@ def bounded_attention(
             out = kv_memory.track_output(layer, probs, values, out)
     out = out.reshape(1, -1, out.shape[-2], out.shape[-1])  # [1, n_heads, Q, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_with_sinks(
+    q: torch.Tensor,
+    sink_query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kv_memory: SlotMemory,
+    layer: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention where the first ``n_sink_slots`` slots see the query re-rotated to its cache rank.
+
+    The sink slots' logits (a few dot products per query) are computed apart; the other slots keep
+    PyTorch's fused kernel. On CPU the fused call returns its log-sum-exp, and the two parts are merged
+    exactly by their log-sum-exps; elsewhere one fused call takes an additive bias that turns the sink
+    slots' logits into the re-rotated ones.
+
+    Parameters
+    ----------
+    q, sink_query : [H, G, Q, D], the query as the model rotated it and re-rotated to its cache rank.
+    keys, values : [H, S, D].
+
+    Returns
+    -------
+    out : [H, G, Q, D]
+    """
+    n_sinks = kv_memory.n_sink_slots
+    sink_keys = keys[:, None, :n_sinks].transpose(-1, -2)  # [H, 1, D, n]
+    blocked = kv_memory.blocked_mask(layer)[:, None, :, :n_sinks]  # [H or 1, 1, Q, n]
+    sink_logits = (torch.matmul(sink_query, sink_keys).float() * scaling).masked_fill(blocked, float("-inf"))
+    other_bias = kv_memory.other_slots_bias(layer)[:, None]  # [H or 1, 1, Q, S]: sinks and blocked -inf
+    if _cpu_kernel_with_lse(q):
+        n_heads, group = q.shape[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q,
+            keys[:, None].expand(n_heads, group, -1, -1),
+            values[:, None].expand(n_heads, group, -1, -1),
+            attn_mask=other_bias,
+            scale=scaling,
+        )  # out [H, G, Q, D], lse [H, G, Q] over the non-sink slots (each query sees itself there)
+        total = torch.logaddexp(lse.float(), torch.logsumexp(sink_logits, dim=-1))  # [H, G, Q]
+        sink_out = torch.matmul(torch.exp(sink_logits - total[..., None]), values[:, None, :n_sinks].float())
+        return (out.float() * torch.exp(lse.float() - total)[..., None] + sink_out).to(values.dtype)
+    plain_logits = torch.matmul(q, sink_keys).float() * scaling
+    bias = other_bias.expand(q.shape[0], q.shape[1], -1, -1).clone()
+    bias[..., :n_sinks] = (sink_logits - plain_logits).to(bias.dtype)
+    return F.scaled_dot_product_attention(
+        q, keys[:, None], values[:, None], attn_mask=bias, scale=scaling, enable_gqa=True
+    )
+
+
+def _cpu_kernel_with_lse(query: torch.Tensor) -> bool:
+    """Whether PyTorch's fused CPU attention, which also returns its log-sum-exp, takes ``query``."""
+    return query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
 
 
 def cache_keyword(model: PreTrainedModel) -> str:

@@ -100,6 +100,7 @@ class SlotMemory:
         self._allowed = torch.empty(0, dtype=torch.bool, device=device)
         self._blocked: torch.Tensor | None = None  # ~allowed, for the eager path only
         self._sink_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._other_bias: torch.Tensor | None = None  # sink slots and blocked -inf, else 0 (model dtype)
 
     # ---- chunk setup (engine) -------------------------------------------------------------------
     def begin_chunk(self, query_pos: torch.Tensor) -> torch.Tensor:
@@ -121,11 +122,15 @@ class SlotMemory:
         else:
             self._allowed = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= query_pos[:, None])
         self._blocked = ~self._allowed if self.record_attention or self.n_sink_slots else None
-        self._sink_table = None
+        self._sink_table, self._other_bias = None, None
         if self.n_sink_slots:
             delta = query_pos.clamp(max=self.policy.budget) - query_pos  # rank min(t, B) minus t
             if bool((delta != 0).any()):
                 self._sink_table = self.rotary.table(delta)
+                other = self._allowed.clone()
+                other[..., : self.n_sink_slots] = False
+                self._other_bias = torch.zeros(other.shape, dtype=self.keys.dtype, device=other.device)
+                self._other_bias.masked_fill_(~other, float("-inf"))
         if self.store_unrotated:
             n_kept = int((self.key_pos[0, 0, : self.retained] >= 0).sum())
             self.model_pos = n_kept + torch.arange(n_q, device=query_pos.device)
@@ -167,6 +172,12 @@ class SlotMemory:
     def blocked_mask(self, layer: int) -> torch.Tensor:
         """The complement of :meth:`allowed_mask` (computed once per chunk)."""
         return self._blocked[0] if self._blocked.shape[0] == 1 else self._blocked[layer]
+
+    def other_slots_bias(self, layer: int) -> torch.Tensor:
+        """Additive mask [H or 1, Q, R + Q] in the model's dtype: 0 where a query may attend a non-sink
+        slot, -inf on the sink slots and wherever :meth:`allowed_mask` blocks (set with the sink table)."""
+        assert self._other_bias is not None
+        return self._other_bias[0] if self._other_bias.shape[0] == 1 else self._other_bias[layer]
 
     def sink_query(self, query: torch.Tensor) -> torch.Tensor | None:
         """Queries [H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed."""

@@ -149,7 +149,14 @@ def splitmix_uniform(seed: int, layer: int, head: int, position: int) -> float:
 # ---- the oracle's reference attention -----------------------------------------------------------
 @torch.no_grad()
 def reference_attention(model: PreTrainedModel, tokens: torch.Tensor, context: int | None = None):
-    """Reference attention a*_s(j), GQA group summed: float64 [L, H, n, n] (query s, key j).
+    """Reference attention a*_s(j), GQA group summed: float64 [L, H, n, n] (query s, key j)."""
+    return reference_pass(model, tokens, context)[0]
+
+
+@torch.no_grad()
+def reference_pass(model: PreTrainedModel, tokens: torch.Tensor, context: int | None = None):
+    """(a*, w*): the reference attention float64 [L, H, n, n] (query s, key j) and the pass's own query
+    weights {"correct", "prob", "uniform"} -> float64 [n] (0 for the last query's correct and prob).
 
     Full causal attention (one plain eager forward pass), or with ``context`` = W, attention over the
     W previous positions: this decoder under ``window`` with budget W.
@@ -159,18 +166,26 @@ def reference_attention(model: PreTrainedModel, tokens: torch.Tensor, context: i
     if context is None or context >= n - 1:
         model.set_attn_implementation("eager")
         out = model(tokens[None], output_attentions=True, use_cache=False)
-        return torch.stack(
-            [a[0].double().view(n_kv, -1, n, n).sum(1) for a in out.attentions]
-        )  # [L, H, n, n]
-    spec = ReferenceSpec(policy="window", budget=context)
-    reference_stream(model, tokens, spec, record_attention=True)
-    dense = torch.zeros(n_layers, n_kv, n, n, dtype=torch.float64)
-    for s, per_layer in enumerate(spec.attention_log):
-        for layer in range(n_layers):
-            for h in range(n_kv):
-                for j, a in per_layer[layer][h].items():
-                    dense[layer, h, s, j] = a
-    return dense
+        attention = torch.stack([a[0].double().view(n_kv, -1, n, n).sum(1) for a in out.attentions])
+        log_probs = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
+        nll = -log_probs.gather(-1, tokens[1:, None])[:, 0]
+        correct = log_probs.argmax(dim=-1) == tokens[1:]
+    else:
+        spec = ReferenceSpec(policy="window", budget=context)
+        nll, correct = reference_stream(model, tokens, spec, record_attention=True)
+        attention = torch.zeros(n_layers, n_kv, n, n, dtype=torch.float64)
+        for s, per_layer in enumerate(spec.attention_log):
+            for layer in range(n_layers):
+                for h in range(n_kv):
+                    for j, a in per_layer[layer][h].items():
+                        attention[layer, h, s, j] = a
+    no_target = torch.zeros(1, dtype=torch.float64)
+    weights = {
+        "correct": torch.cat([correct.double(), no_target]),
+        "prob": torch.cat([torch.exp(-nll.double()), no_target]),
+        "uniform": torch.ones(n, dtype=torch.float64),
+    }
+    return attention, weights
 
 
 # ---- the decoder --------------------------------------------------------------------------------
@@ -188,7 +203,7 @@ def reference_stream(
     inv_freq = rope_frequencies(model.config) if spec.positions == "cache" else []
     future = None
     if spec.policy == "oracle":
-        future = reference_attention(model, tokens, spec.context)
+        future = reference_pass(model, tokens, spec.context)
     model.set_attn_implementation("eager")
     # per (layer, head): key j -> (key as the model produced it, position it was rotated at), value j
     keys = [[{} for _ in range(n_kv)] for _ in range(n_layers)]
@@ -399,7 +414,7 @@ def _choose(spec, members, candidates, now, n, capacity, utility, last, future) 
         # Belady: keep the soonest next requests (a shared set serves whoever needs a key first);
         # a never-requested key's next request is at infinity; ties keep the more recent position
         soonest = {
-            j: min(_next_request(future, layer, h, j, now, spec.tau) for layer, h in members)
+            j: min(_next_request(future[0], layer, h, j, now, spec.tau) for layer, h in members)
             for j in candidates
         }
         return sorted(candidates, key=lambda j: (soonest[j], -j))[:capacity]
@@ -426,8 +441,13 @@ def _score(spec, layer: int, h: int, j: int, now: int, utility, last, future) ->
         return last[layer][h][j]
     if spec.policy == "random":
         return splitmix_uniform(spec.seed, layer, h, j)
-    if spec.policy == "oracle":  # future_mass: remaining requested reference attention
-        return math.fsum(a for a in future[layer, h, now:, j].tolist() if a >= spec.tau)
+    if (
+        spec.policy == "oracle"
+    ):  # remaining requested reference attention, weighted by the query (future_utility)
+        attention, weights = future
+        weight = weights[spec.weight if spec.variant == "future_utility" else "uniform"]
+        requests = zip(attention[layer, h, now:, j].tolist(), weight[now:].tolist(), strict=True)
+        return math.fsum(a * w for a, w in requests if a >= spec.tau)
     raise ValueError(f"reference has no rule for policy {spec.policy!r}")
 
 

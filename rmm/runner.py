@@ -223,6 +223,7 @@ _NOT_RESULTS = {"resume", "progress", "wandb", "model.architecture"}
 # Add an entry with every new result-affecting config key, so that complete runs stay resumable.
 ADDED_KEY_DEFAULTS: dict[str, object] = {
     "policy.seed": 0,  # random's seed became a policy key; the runs before it used the run seed, 0 in all
+    "policy.weight": "correct",  # the oracle's weight (read by future_utility only) came with that variant
 }
 
 

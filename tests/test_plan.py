@@ -44,11 +44,17 @@ def allocated(model, policy, positions: str = "original", record: bool | None = 
     if record:
         store = memory.store_attention
         memory.store_attention = lambda layer, probs: (logits_shapes.append(probs.shape), store(layer, probs))
-    query_pos = torch.arange(min(stream_chunk(policy, record), N_TOKENS))
+    # a chunk past the budget: the steady state, where position rules re-rotate their sinks
+    query_pos = torch.arange(min(stream_chunk(policy, record), N_TOKENS)) + (policy.budget or 0)
     position_ids = memory.begin_chunk(query_pos)
-    model(input_ids=query_pos[None], position_ids=position_ids[None], kv_memory=memory, use_cache=False)
+    model(
+        input_ids=query_pos[None] % model.config.vocab_size,
+        position_ids=position_ids[None],
+        kv_memory=memory,
+        use_cache=False,
+    )
     kv = nbytes(memory.keys, memory.values, memory.key_pos, *memory.state.values())
-    scratch = nbytes(memory._allowed, memory._blocked, memory.attn, memory.utility)
+    scratch = nbytes(memory._allowed, memory._blocked, memory._other_bias, memory.attn, memory.utility)
     if logits_shapes:  # fp32 logits, masked logits and probabilities [n_heads, Q, S]: one layer's at a
         kv_heads, queries, slots = logits_shapes[0]  # time, every layer's for a backward pass
         kept_layers = len(memory._outputs) if memory.track_gradient else 1

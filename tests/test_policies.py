@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import distinct_stream, record_max
 
+from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.future import record_future
 from rmm.policies import POLICIES, make_policy
@@ -43,6 +44,8 @@ CASES = [
     ("random", {"seed": 3}),
     ("oracle", {}),
     ("oracle", {"variant": "future_mass"}),
+    ("oracle", {"variant": "future_utility"}),
+    ("oracle", {"variant": "future_utility", "weight": "prob"}),
     ("observed_attention", {}),
     ("observed_attention", {"rho": 0.25}),
     ("snapkv", {"window": 2, "kernel": 3, "pooling": "avg"}),
@@ -145,6 +148,16 @@ def check_against_reference(model, tokens, arch, name, params, chunk, positions,
     return sets
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sinks_through_the_additive_bias_match_reference(tiny_models, streams, arch, monkeypatch):
+    """streaming_llm's re-rotated sinks (positions=cache) off CPU: one fused call with an additive bias."""
+    monkeypatch.setattr(integration, "_cpu_kernel_with_lse", lambda query: False)
+    for chunk in (1, 5):
+        check_against_reference(
+            tiny_models[arch], streams[arch], arch, "streaming_llm", {"sinks": 2}, chunk, "cache"
+        )
+
+
 def matrix():
     """Every case on every architecture at every chunk. The fast loop (``-m "not slow"``) runs on Llama
     each policy's first case at chunks 1, 4 and 5 and its other cases at chunk 4, and on GPT-NeoX
@@ -194,6 +207,7 @@ def test_engine_matches_reference(tiny_models, streams, arch, name, params, chun
         ("random", {}),
         ("oracle", {}),
         ("oracle", {"variant": "future_mass"}),
+        ("oracle", {"variant": "future_utility"}),
         ("observed_attention", {}),
         ("lru", {}),
         ("keydiff", {}),
@@ -285,6 +299,21 @@ def test_rmm_provisional_buffer_never_evicted(tiny_models, streams, chunk):
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gpt_neox"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_smoother_with_uniform_weight_is_future_mass(tiny_models, streams, arch):
+    """oracle(future_utility, weight=uniform) keeps exactly future_mass's sets; correct and prob do not."""
+    model, tokens = tiny_models[arch], streams[arch]
+    _, mass = retained_sets(model, tokens, "oracle", {"variant": "future_mass"}, chunk=4)
+    sets = {
+        weight: retained_sets(
+            model, tokens, "oracle", {"variant": "future_utility", "weight": weight}, chunk=4
+        )[1]
+        for weight in ("uniform", "correct", "prob")
+    }
+    assert sets["uniform"] == mass
+    assert sets["correct"] != mass and sets["prob"] != mass and sets["correct"] != sets["prob"]
+
+
 def test_oracle_evicts_the_furthest_requests(tiny_models, streams, arch):
     """Belady, against the reference attention: every evicted candidate's next request (a* >= tau) is
     no sooner than every kept one's."""

@@ -3,7 +3,10 @@
 Future requests come from the reference pass (:mod:`rmm.future`), which :meth:`Oracle.prepare` runs
 once per stream: key j is requested by query s when the reference attention a*_s(j) >= tau.
 ``next_use`` evicts the candidates whose next request is latest (never-requested first);
-``future_mass`` keeps the top by remaining reference attention mass.
+``future_mass`` keeps the top by remaining reference attention mass; ``future_utility`` (the smoother,
+rmm's lag = infinity limit) keeps the top by remaining demonstrated utility, the requests' reference
+attention weighted by the reference pass's own ``weight`` of each requesting query (``correct``,
+``prob`` or ``uniform``, rmm's names; with ``uniform`` it is ``future_mass``).
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from rmm.policies.base import Observation, Policy, ReferencePass
 if TYPE_CHECKING:
     from rmm.future import FutureRequests
 
-VARIANTS = ("next_use", "future_mass")
+VARIANTS = ("next_use", "future_mass", "future_utility")
+WEIGHTS = ("correct", "prob", "uniform")
 
 
 @dataclass
 class Oracle(Policy):
     variant: str = "next_use"
+    weight: str = "correct"  # future_utility's query weight w*_s
     future: FutureRequests | None = field(default=None, init=False, repr=False)
 
     name = "oracle"
@@ -33,6 +38,11 @@ class Oracle(Policy):
         super().__post_init__()
         if self.variant not in VARIANTS:
             raise ValueError(f"policy.variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.weight not in WEIGHTS:
+            raise ValueError(
+                f"policy.weight must be one of {WEIGHTS} for the oracle (future_utility's query weight), "
+                f"got {self.weight!r}"
+            )
 
     @property
     def scope_reduce(self) -> str:
@@ -47,4 +57,6 @@ class Oracle(Policy):
             raise RuntimeError("oracle.prepare(tokens, reference) must run before the stream")
         if self.variant == "future_mass":
             return self.future.remaining_mass(obs.key_pos, now)
+        if self.variant == "future_utility":
+            return self.future.remaining_utility(obs.key_pos, now, self.weight)
         return -self.future.next_request(obs.key_pos, now).float()

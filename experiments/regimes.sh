@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The regime map (docs/regimes.md): every regimes_cpu_* sweep into results/cpu/regimes/runs, in order of priority,
+# then the report (paired comparisons pooled over generator seeds, phase maps) into results/cpu/regimes/.
+# Resumable across sittings: complete runs are skipped, so the same command continues where it stopped.
+#   make regimes                          # or: bash experiments/regimes.sh [extra Hydra overrides]
+# PY selects the interpreter (default .venv/bin/python); REGIME_SWEEPS a subset of the sweeps (names without the
+# regimes_cpu_ prefix, space-separated; default all, in this order); REPORT_ONLY=1 only rewrites the report.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=results/cpu/regimes
+read -r -a SWEEPS <<<"${REGIME_SWEEPS:-echo_h2o echo_rmm echo_smoother echo_freeze decoys_h2o decoys_rmm decoys_smoother decoys_freeze gap_h2o gap_rmm gap_smoother gap_freeze}"
+
+if [ -z "${REPORT_ONLY:-}" ]; then
+    for sweep in "${SWEEPS[@]}"; do
+        start=$(date +%s)
+        echo "== regimes_cpu_${sweep} ($(date -u +%H:%M:%S) UTC)"
+        "$PY" run.py -m "experiment=regimes_cpu_${sweep}" "$@"
+        echo "== regimes_cpu_${sweep}: $(($(date +%s) - start)) s"
+    done
+    rm -f "$OUT/runs/multirun.yaml"
+fi
+"$PY" experiments/regimes.py "$OUT/runs" --out "$OUT"
