@@ -40,6 +40,8 @@ CASES: list[tuple[list[str], str]] = [
     (["dataset=reuse", "dataset.echo_gap=-1"], "echo_gap"),
     (["dataset=reuse", "dataset.max_tokens=100"], "raise dataset.max_tokens"),
     (["dataset=textdir"], "dataset.path"),
+    (["dataset=textdir", "dataset.path=/no/such/folder"], "no such folder"),
+    (["dataset=pg19", "dataset.local_path=/no/such/mirror"], "no such file or folder"),
 ]
 
 

@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
 from rmm.engine import records_probabilities, stream_chunk
 from rmm.models import architecture, config_from_architecture, resolve_dtype
 from rmm.policies import Policy, make_policy

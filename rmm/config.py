@@ -5,7 +5,7 @@ fails a run (or every job of a sweep) at once with a message that names the fix.
 classes or the dataset code (policy parameters, dataset generator settings) is checked next by
 :func:`check_run`, still before a model is loaded.
 
-Resolvers, registered when ``rmm`` is imported:
+Resolvers, registered when this module is imported (every code path that composes conf/ imports it):
 
 - ``${when:A,B,TEXT}``: TEXT when A equals B, else the empty string (a run-name part that only one
   value of a parameter needs, e.g. the oracle's query weight, which only ``future_utility`` reads).
@@ -28,6 +28,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _WANDB_HOST = "api.wandb.ai"
+
+
+def config_dir() -> Path:
+    """The Hydra configs (``conf/``), in a checkout or an installed wheel: ``initialize_config_dir(str(
+    rmm.config.config_dir()))`` then ``compose("config", overrides=[...])``."""
+    return Path(__file__).resolve().parent / "conf"
 
 
 def when(value: object, expected: object, text: str) -> str:
@@ -118,3 +124,6 @@ def check_run(cfg: Mapping[str, Any]) -> None:
 
     check_dataset(cfg["dataset"])
     make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])
+
+
+register_resolvers()

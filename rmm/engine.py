@@ -137,6 +137,7 @@ class StreamingEngine:
         if n < 2:
             raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
         self.check_stream(n)
+        integration.install(self.model)  # again: anything may have switched the attention since __init__
         tokens = tokens.to(self.device)
         policy = self.policy
         scoring = not policy.per_query
