@@ -213,6 +213,8 @@ def cells_markdown(table: pd.DataFrame) -> str:
 def phase_map(table: pd.DataFrame, rows: str, columns: str, fixed: dict, out: Path, title: str) -> bool:
     """Heatmaps of the paired log ratio over (rows x columns) at ``fixed`` factors, one panel per
     comparison; False (nothing drawn) when no cell of the map is complete."""
+    if table.empty:
+        return False
     sub = table[table["comparison"].isin(PHASE_PANELS)]
     for name, value in fixed.items():
         sub = sub[sub[name] == value]

@@ -103,3 +103,6 @@ def test_incomplete_cells_are_not_compared(study: Path, tmp_path: Path) -> None:
     table = regimes.comparisons(missing, n_resamples=100)
     assert not table["comparison"].str.contains("h2o").any()
     assert (table["comparison"] == "freeze / accumulate").sum() == 2
+    only_h2o = regimes.comparisons(frame[frame["policy"] == "h2o"], n_resamples=100)
+    assert only_h2o.empty
+    assert not regimes.phase_map(only_h2o, "dataset.echo_gap", "lag", {}, tmp_path / "map.png", "none")
