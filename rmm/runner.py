@@ -17,11 +17,14 @@ from transformers import PreTrainedModel
 
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.engine import StreamingEngine
-from rmm.future import FutureRequests, ReferencePass, no_reference_pass
-from rmm.memory import POSITIONS, SCOPES, SlotMemory
+from rmm.future import FutureRequests
+from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
+from rmm.memory import SlotMemory
 from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import Observation, Policy, make_policy
+from rmm.policies.select import SCOPES
+from rmm.recording import POSITIONS
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
@@ -40,7 +43,7 @@ class RunSetup:
     docs: list[Document]
     data_stats: DatasetStats
     longest: int  # tokens in the longest stream
-    reference: ReferencePass | None  # the reference pass, when the policy or a diagnostic needs it
+    reference: ReferenceRunner | None  # the reference pass, when the policy or a diagnostic needs it
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -96,7 +99,8 @@ def build(cfg: DictConfig) -> RunSetup:
     longest = max(d.tokens.numel() for d in docs)
     reference = None
     if policy.needs_reference or _estimating(cfg, policy):
-        reference = ReferencePass(model, cfg.oracle.tau, _reference_context(cfg, dims, longest))
+        context = reference_context(cfg, dims["max_position_embeddings"], longest)
+        reference = ReferenceRunner(model, cfg.oracle.tau, context)
     return RunSetup(policy, device, dtype, model, dims, docs, data_stats, longest, reference)
 
 
@@ -112,7 +116,7 @@ def stream_documents(cfg: DictConfig, setup: RunSetup, tracker: Tracker) -> tupl
         policy.prepare(doc.tokens, setup.reference or no_reference_pass)
         hook = None
         if _estimating(cfg, policy):
-            hook = _estimator_hook(setup.reference(doc.tokens), totals.estimator_pairs)
+            hook = _estimator_hook(policy, setup.reference(doc.tokens), totals.estimator_pairs)
         start = time.perf_counter()
         running = RunningPerplexity(totals, progress, tracker, memory)
         result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=running)
@@ -236,36 +240,14 @@ def _check_options(cfg: DictConfig) -> None:
         raise ValueError(f"oracle.tau must be > 0, got {cfg.oracle.tau}")
 
 
-def _reference_context(cfg: DictConfig, dims: dict, longest: int) -> int:
-    """The reference pass's window: ``oracle.context``, or the model's context for streams it covers.
+def _estimator_hook(policy: Policy, future: FutureRequests, pairs: list):
+    """Record (policy score, remaining reference attention mass) of each position as it commits."""
 
-    The model's context is ``model.max_context`` when the model config sets it, else the checkpoint's
-    ``max_position_embeddings``.
-    """
-    model_context = cfg.model.get("max_context") or dims["max_position_embeddings"]
-    if cfg.oracle.context is None:
-        if longest > model_context:
-            raise ValueError(
-                f"the oracle's reference pass cannot cover a {longest}-token stream with full attention "
-                f"(model context {model_context}); set dataset.max_tokens<={model_context}, or "
-                f"oracle.context=<window> for a windowed reference pass"
-            )
-        return longest
-    if cfg.oracle.context > model_context:
-        raise ValueError(f"oracle.context={cfg.oracle.context} exceeds the model's context {model_context}")
-    return int(cfg.oracle.context)
-
-
-def _estimator_hook(future: FutureRequests, pairs: list):
-    """Record (policy score, oracle future attention mass) of each position as it commits."""
-
-    def hook(memory: SlotMemory, obs: Observation, now: int) -> None:
-        policy = memory.policy
+    def hook(memory: SlotMemory, obs: Observation, now: int, scores: torch.Tensor) -> None:
         key_pos = obs.key_pos
         edge = now - policy.protected
         committing = (key_pos >= edge - policy.chunk) & (key_pos < edge)
         if committing.any():
-            scores = policy.score(memory.state_view(), obs, now)
             pairs.append((scores[committing].cpu(), future.remaining_mass(key_pos, now)[committing].cpu()))
 
     return hook
