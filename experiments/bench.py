@@ -3,6 +3,7 @@
     python experiments/bench.py [--tokens 4096] [--budget 256] [--chunk 64] [--threads 2] [--repeats 1]
     python experiments/bench.py --chunks 64 256 512     # throughput against C, engine and plain forward
     python experiments/bench.py --profile               # top operators: streaming_llm (cache) vs window
+    python experiments/bench.py --out results/bench     # also write results/bench/speed_B256_T4096.md
 
 Prints tokens/s of the engine under every policy (position rules, attention-based and attention-free
 score-based policies), of a token-by-token physical-eviction loop (StreamingLLM's evaluation method:
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ from transformers import DynamicCache
 from rmm import recording
 from rmm.data import load_documents
 from rmm.engine import StreamingEngine
+from rmm.files import atomic_write_text
 from rmm.models import load_model
 from rmm.policies import make_policy
 
@@ -199,6 +202,42 @@ def profile(model, tokens: torch.Tensor, budget: int, chunk: int, top: int = 12)
         )
 
 
+def write_table(args: argparse.Namespace, n: int, rates: dict[str, float], load_before: tuple) -> Path:
+    """``<out>/speed_B<budget>_T<tokens>.md``: the machine, the command and every rate with its ratios."""
+    import platform
+
+    import transformers
+
+    path = args.out / f"speed_B{args.budget}_T{n}.md"
+    forward, window_at_c = rates["forward"], rates[WINDOW_AT_C]
+    lines = [
+        f"# Speed: SmolLM2-135M fp32 on CPU, {n} tokens, B={args.budget}, C={args.chunk}",
+        "",
+        f"Command: `python experiments/bench.py {' '.join(sys.argv[1:])}` (best of {args.repeats} "
+        "interleaved rounds, each running every engine and the plain forward passes once).",
+        f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), {args.threads} "
+        f"threads; load average {load_before[0]:.2f} before and {os.getloadavg()[0]:.2f} after the run "
+        "(1-minute).",
+        f"Versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}.",
+        "",
+        "| run | tokens/s | / plain forward | / window in C-token passes |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, rate in rates.items():
+        lines.append(f"| {key} | {rate:.1f} | {rate / forward:.2f} | {rate / window_at_c:.2f} |")
+    lines += [
+        "",
+        "plain forward: forward passes over 2048-token windows (no memory bound); loop: the token-by-token",
+        "loop with physical eviction (StreamingLLM's evaluation method); window@C: window streamed in",
+        "C-token passes like the score-based policies.",
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -234,7 +273,9 @@ def main() -> None:
         "--profile", action="store_true", help="only profile window and streaming_llm (cache): top operators"
     )
     parser.add_argument("--stream-peak", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help="also write the speed table as markdown into this folder")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     torch.set_num_threads(args.threads)
     if args.stream_peak:
         return stream_peak(args.stream_peak, args.budget, args.chunk)
@@ -264,6 +305,7 @@ def main() -> None:
     # take max(C, 1024)-token passes): the ratio to it isolates a policy's own cost from the pass size
     engines[WINDOW_AT_C] = engines["window/original"]
     best: dict[str, float] = {}
+    forward_s = float("inf")
     for round_ in range(args.repeats):
         for key, engine in engines.items():
             passes = args.chunk if key == WINDOW_AT_C else recording.POSITION_RULE_CHUNK
@@ -271,6 +313,10 @@ def main() -> None:
                 seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
             best[key] = min(best.get(key, float("inf")), seconds)
             print(f"  round {round_ + 1}: {key:28s} {(n - 1) / seconds:8.1f} tokens/s", flush=True)
+        if not args.only_engine:  # the ceiling, in the same rounds: plain forward passes, 2048-token windows
+            seconds, _ = timed(lambda: plain_forward(model, tokens, 2048))
+            forward_s = min(forward_s, seconds)
+            print(f"  round {round_ + 1}: {'plain forward':28s} {n / seconds:8.1f} tokens/s", flush=True)
     rates = {key: (n - 1) / seconds for key, seconds in best.items()}
     for key, rate in rates.items():
         name, positions = key.split("/")
@@ -293,8 +339,7 @@ def main() -> None:
     if args.only_engine:
         return
 
-    seconds, _ = timed(lambda: plain_forward(model, tokens, 2048))
-    rates["forward"] = n / seconds
+    rates["forward"] = n / forward_s
     print(f"plain forward, 2048-token windows          {rates['forward']:8.1f} tokens/s")
 
     loop_tokens = tokens[: args.loop_tokens or n]
@@ -308,6 +353,8 @@ def main() -> None:
             f"  {key:24s} / loop = {rates[key] / rates['loop']:6.1f}x   / forward = "
             f"{rates[key] / rates['forward']:5.2f}x"
         )
+    if args.out:
+        write_table(args, n, rates, load_before)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rmm.lookahead import reference_context
+import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
+from rmm.lookahead import configured_reference_context
 from rmm.models import architecture, config_from_architecture, resolve_dtype
 from rmm.policies import make_policy
 from rmm.recording import RecordingPlan, recording_plan
@@ -147,7 +148,7 @@ def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
     activations = activation_bytes(arch, recording.slots(n_tokens)[1], dtype, kept_layers)
     reference, context = 0, None
     if policy.needs_reference or (cfg.diagnostics.estimator and recording.rule is None):
-        context = reference_context(cfg, arch["max_position_embeddings"], n_tokens)
+        context = configured_reference_context(cfg, arch["max_position_embeddings"], n_tokens)
         window = make_policy({"name": "window"}, budget=context, chunk=min(REFERENCE_CHUNK, context))
         observed = recording_plan(window, "original").observed()  # the pass records attention
         reference = (

@@ -31,8 +31,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.collect import collect, write_csv
-from experiments.compare import paired_tokens
-from rmm.bootstrap import CONFIDENCE, N_RESAMPLES, SEED, replicate_means
+from rmm.bootstrap import CONFIDENCE, N_RESAMPLES, SEED, paired_tokens, replicate_means
 from rmm.storage import atomic_write_text, read_tokens
 
 log = logging.getLogger(__name__)

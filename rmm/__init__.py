@@ -1,5 +1,24 @@
-"""Perplexity under a bounded KV memory: a harness for KV-cache eviction policies."""
+"""Perplexity under a bounded KV memory: a harness for KV-cache eviction policies.
 
-from rmm.config import register_resolvers
+The public API (everything else is internal):
 
-register_resolvers()
+- :func:`evaluate`: perplexity of a loaded Hugging Face causal LM under an eviction policy;
+- :func:`compare`: the paired difference of two evaluations with its 95 % interval;
+- :class:`Evaluation`: what :func:`evaluate` returns (``ppl``, ``metrics``, ``tokens``, ``save(dir)``).
+
+``import rmm`` imports nothing else (no torch, no transformers, no OmegaConf); the API is imported on first
+use. Code that composes the configs in conf/ imports :mod:`rmm.config` first, which registers their
+resolvers.
+"""
+
+from typing import Any
+
+__all__ = ["Evaluation", "compare", "evaluate"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from rmm import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'rmm' has no attribute {name!r}")

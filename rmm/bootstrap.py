@@ -1,4 +1,5 @@
-"""Confidence intervals for a mean over per-token values: documents as clusters, token blocks within them.
+"""Confidence intervals for a mean over per-token values (documents as clusters, token blocks within them),
+and paired comparisons of two runs over the same tokens.
 
 One bootstrap replicate draws ``n_docs`` documents with replacement (the cluster level) and rebuilds each
 drawn document, independently per draw, from contiguous blocks of ``block`` tokens taken at random start
@@ -21,6 +22,7 @@ document level alone would take only a handful of distinct values.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -178,3 +180,84 @@ def nll_interval(
         raise ValueError("the token frame has no scored token")
     values = scored["nll"].to_numpy(np.float64)
     return mean_interval(values, doc_sizes(scored), block, n_resamples, confidence, seed)
+
+
+# ---- paired comparisons of two runs over the same tokens ---------------------------------------
+KEY_COLUMNS = ("doc_id", "position", "token_id")
+
+
+class TokenMismatchError(ValueError):
+    """Two runs do not score the same token sequence."""
+
+
+def paired_tokens(tokens_a: pd.DataFrame, tokens_b: pd.DataFrame, segment: str | None = None) -> pd.DataFrame:
+    """The scored tokens of two runs side by side: doc_id, position, token_id, nll_a, nll_b.
+
+    Raises TokenMismatchError unless both frames hold the same (doc_id, position, token_id) rows, scored
+    (non-null nll) at the same positions, with the same ``segment`` labels where both have that column.
+    Sorted by (doc_id, position); with ``segment`` only that segment's tokens.
+    """
+    keys = list(KEY_COLUMNS)
+    if "segment" in tokens_a.columns and "segment" in tokens_b.columns:
+        keys.append("segment")
+    frames = []
+    for tokens in (tokens_a, tokens_b):
+        frame = tokens.sort_values(["doc_id", "position"], kind="stable").reset_index(drop=True)
+        frames.append(frame.assign(scored=frame["nll"].notna()))
+    a, b = frames
+    if len(a) != len(b):
+        raise TokenMismatchError(
+            f"the runs score different token sequences: {len(a)} vs {len(b)} tokens; compare runs of the "
+            "same model (tokenizer) and dataset settings (dataset.n_docs, dataset.max_tokens)"
+        )
+    for column in [*keys, "scored"]:
+        same = (a[column] == b[column]).fillna(False).astype(bool) | (a[column].isna() & b[column].isna())
+        differs = ~same.to_numpy(dtype=bool)
+        if differs.any():
+            i = int(np.argmax(differs))
+            raise TokenMismatchError(
+                f"the runs score different token sequences: first difference in {column!r} at row {i} "
+                f"(doc {a.at[i, 'doc_id']!r} position {a.at[i, 'position']}: {a.at[i, column]!r} vs "
+                f"{b.at[i, column]!r}); compare runs of the same model (tokenizer) and dataset settings"
+            )
+    paired = a[keys].assign(nll_a=a["nll"], nll_b=b["nll"], nll=a["nll"])
+    scored = scored_tokens(paired, segment)  # the segment filter, nll non-null; order kept
+    return scored[[*KEY_COLUMNS, "nll_a", "nll_b"]].astype({"nll_a": np.float64, "nll_b": np.float64})
+
+
+def compare_tokens(
+    tokens_a: pd.DataFrame,
+    tokens_b: pd.DataFrame,
+    segment: str | None = None,
+    block: int = BLOCK,
+    n_resamples: int = N_RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = SEED,
+) -> dict[str, Any]:
+    """Paired comparison of B against A (see the module docstring for the fields)."""
+    paired = paired_tokens(tokens_a, tokens_b, segment)
+    diff = (paired["nll_b"] - paired["nll_a"]).to_numpy()
+    interval = mean_interval(diff, doc_sizes(paired), block, n_resamples, confidence, seed)
+    per_doc = pd.Series(diff).groupby(paired["doc_id"].to_numpy(), sort=True).mean()
+    return {
+        "delta_nll": interval.estimate,
+        "ci_low": interval.low,
+        "ci_high": interval.high,
+        "se": interval.se,
+        "ppl_a": float(np.exp(paired["nll_a"].mean())),
+        "ppl_b": float(np.exp(paired["nll_b"].mean())),
+        "ppl_ratio": float(np.exp(interval.estimate)),
+        "ppl_ratio_ci_low": float(np.exp(interval.low)),
+        "ppl_ratio_ci_high": float(np.exp(interval.high)),
+        "n_tokens": int(len(diff)),
+        "n_docs": int(len(per_doc)),
+        "docs_b_better": int((per_doc < 0).sum()),
+        "docs_a_better": int((per_doc > 0).sum()),
+        "docs_tied": int((per_doc == 0).sum()),
+        "per_doc_delta_nll": {str(k): float(v) for k, v in per_doc.items()},
+        "segment": segment,
+        "block": block,
+        "n_resamples": n_resamples,
+        "confidence": confidence,
+        "seed": seed,
+    }

@@ -1,4 +1,11 @@
-"""The OmegaConf resolvers the configs in conf/ use, registered when ``rmm`` is imported.
+"""Run-config checks that need neither torch nor transformers, and the OmegaConf resolvers of conf/.
+
+:func:`check_config` validates a composed config in milliseconds, before any heavy import, so that a typo
+fails a run (or every job of a sweep) at once with a message that names the fix. What needs the policy
+classes or the dataset code (policy parameters, dataset generator settings) is checked next by
+:func:`check_run`, still before a model is loaded.
+
+Resolvers, registered when this module is imported (every code path that composes conf/ imports it):
 
 - ``${when:A,B,TEXT}``: TEXT when A equals B, else the empty string (a run-name part that only one
   value of a parameter needs, e.g. the oracle's query weight, which only ``future_utility`` reads).
@@ -6,7 +13,27 @@
 
 from __future__ import annotations
 
+import netrc
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 from omegaconf import OmegaConf
+
+POSITIONS = ("original", "cache")
+SCOPES = ("head", "layer", "global")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+WANDB_MODES = ("offline", "online", "disabled")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_WANDB_HOST = "api.wandb.ai"
+
+
+def config_dir() -> Path:
+    """The Hydra configs (``conf/``), in a checkout or an installed wheel: ``initialize_config_dir(str(
+    rmm.config.config_dir()))`` then ``compose("config", overrides=[...])``."""
+    return Path(__file__).resolve().parent / "conf"
 
 
 def when(value: object, expected: object, text: str) -> str:
@@ -15,3 +42,88 @@ def when(value: object, expected: object, text: str) -> str:
 
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("when", when, replace=True)
+
+
+def _positive_int(value: Any, key: str, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{key} must be an integer >= 1{' or null' if nullable else ''}, got {value!r}")
+
+
+def check_config(cfg: Mapping[str, Any]) -> None:
+    """Validate the options of a composed run config that need no heavy import; raises ValueError naming
+    the key and the fix."""
+    if cfg["positions"] not in POSITIONS:
+        raise ValueError(f"positions must be one of {POSITIONS}, got {cfg['positions']!r}")
+    if cfg["scope"] not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {cfg['scope']!r}")
+    _positive_int(cfg["budget"], "budget", nullable=True)
+    _positive_int(cfg["chunk"], "chunk")
+    if cfg["budget"] is not None and cfg["chunk"] > cfg["budget"]:
+        raise ValueError(
+            f"chunk ({cfg['chunk']}) must not exceed budget ({cfg['budget']}); set chunk<={cfg['budget']}"
+        )
+    if type(cfg["lag"]) is not int or cfg["lag"] < 0:
+        raise ValueError(f"lag must be an integer >= 0, got {cfg['lag']!r}")
+    if str(cfg["dtype"]) not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {cfg['dtype']!r}")
+    oracle = cfg["oracle"]
+    if not isinstance(oracle["tau"], int | float) or oracle["tau"] <= 0:
+        raise ValueError(f"oracle.tau must be > 0, got {oracle['tau']!r}")
+    _positive_int(oracle["context"], "oracle.context", nullable=True)
+    check_device(str(cfg["device"]))
+    check_wandb(cfg["wandb"])
+
+
+def check_device(name: str) -> None:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``; CUDA must have a driver on this machine."""
+    name = name.strip().lower()
+    if not _DEVICE.match(name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda") and not _nvidia_driver():
+        raise ValueError(
+            f"device={name} was requested but this machine has no NVIDIA driver (no /proc/driver/nvidia); "
+            "run with device=cpu or device=auto"
+        )
+
+
+def _nvidia_driver() -> bool:
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+
+
+def check_wandb(wandb_cfg: Mapping[str, Any]) -> None:
+    """The W&B mode is known, and ``online`` has an API key (WANDB_API_KEY or a ``wandb login``)."""
+    mode = str(wandb_cfg.get("mode", "offline"))
+    if mode not in WANDB_MODES:
+        raise ValueError(f"wandb.mode must be one of {WANDB_MODES}, got {mode!r}")
+    if mode == "online" and not _wandb_key():
+        raise ValueError(
+            "wandb.mode=online needs a W&B API key, and none is configured: set WANDB_API_KEY=<key> "
+            "(or run `wandb login`), or log locally with wandb.mode=offline (sync later with `wandb sync`), "
+            "or turn tracking off with wandb.mode=disabled"
+        )
+
+
+def _wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return path.is_file() and netrc.netrc(path).authenticators(_WANDB_HOST) is not None
+    except (netrc.NetrcParseError, OSError):
+        return False
+
+
+def check_run(cfg: Mapping[str, Any]) -> None:
+    """:func:`check_config`, then the policy's parameters and the dataset's options (imports torch and the
+    policy and dataset code, not transformers, and loads no model)."""
+    check_config(cfg)
+    from rmm.data import check_dataset
+    from rmm.policies import make_policy
+
+    check_dataset(cfg["dataset"])
+    make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])
+
+
+register_resolvers()

@@ -143,14 +143,32 @@ def check_dataset(cfg: Mapping[str, Any]) -> dict[str, Any]:
     generator parameters, an unknown filler source, or streams that cannot fit ``max_tokens``.
     """
     opts = _options(cfg)
+    _check_paths(opts, "dataset")
     if opts["source"] == "reuse":
         spec = ReuseSpec.from_config(opts)
         filler = _filler_options(opts)
         if filler["source"] == "reuse":
             raise ValueError("dataset.filler cannot itself be reuse: use a text source, e.g. shakespeare")
+        _check_paths(filler, "dataset.filler")
         if opts["max_tokens"] is not None and spec.min_length() > opts["max_tokens"]:
             raise ValueError(_too_long(spec.min_length(), opts["max_tokens"], "at least "))
     return opts
+
+
+def _check_paths(opts: Mapping[str, Any], prefix: str) -> None:
+    """A textdir source names an existing folder; a local_path, an existing file or folder."""
+    if opts["source"] == "textdir":
+        if not opts["path"]:
+            raise ValueError(f"{prefix}=textdir needs a folder: {prefix}.path=/path/to/texts")
+        if not Path(opts["path"]).expanduser().is_dir():
+            raise DatasetUnavailableError(
+                f"{prefix}.path={opts['path']}: no such folder; point it at a folder of .txt/.md files"
+            )
+    if opts["local_path"] and not Path(opts["local_path"]).expanduser().exists():
+        raise DatasetUnavailableError(
+            f"{prefix}.local_path={opts['local_path']}: no such file or folder; point it at a downloaded "
+            "mirror (parquet or JSON-lines file, or a folder of them)"
+        )
 
 
 def _too_long(length: int, max_tokens: int, qualifier: str = "") -> str:

@@ -97,22 +97,25 @@ def no_reference_pass(tokens: torch.Tensor) -> FutureRequests:
     raise RuntimeError("this run has no reference pass; only policies with needs_reference may use it")
 
 
-def reference_context(cfg: DictConfig, max_position_embeddings: int, n_tokens: int) -> int:
-    """The reference pass's window for the run ``cfg`` over streams of up to ``n_tokens`` tokens:
-    ``oracle.context``, or the whole stream when that is null. Neither may exceed the model's context,
-    ``model.max_context`` when the model config sets it, else the checkpoint's
-    ``max_position_embeddings``. The one rule of the runner and the memory planner (experiments/plan.py).
-    """
-    context = cfg.oracle.context
-    model_context = cfg.model.get("max_context") or max_position_embeddings
-    if context is None:
-        if n_tokens > model_context:
+def reference_context(model_context: int, requested: int | None, longest: int) -> int:
+    """The reference pass's window: ``requested`` (``oracle.context``), or the whole stream when the
+    model's context ``model_context`` covers it; neither beyond ``model_context``."""
+    if requested is None:
+        if longest > model_context:
             raise ValueError(
-                f"the oracle's reference pass cannot cover a {n_tokens}-token stream with full attention "
+                f"the oracle's reference pass cannot cover a {longest}-token stream with full attention "
                 f"(model context {model_context}); set dataset.max_tokens<={model_context}, or "
                 f"oracle.context=<window> for a windowed reference pass"
             )
-        return n_tokens
-    if context > model_context:
-        raise ValueError(f"oracle.context={context} exceeds the model's context {model_context}")
-    return int(context)
+        return longest
+    if requested > model_context:
+        raise ValueError(f"oracle.context={requested} exceeds the model's context {model_context}")
+    return int(requested)
+
+
+def configured_reference_context(cfg: DictConfig, max_position_embeddings: int, longest: int) -> int:
+    """:func:`reference_context` of the run ``cfg``, whose model's context is ``model.max_context`` when
+    the model config sets it, else the checkpoint's ``max_position_embeddings``. The one rule of the
+    runner and the memory planner (experiments/plan.py)."""
+    model_context = cfg.model.get("max_context") or max_position_embeddings
+    return reference_context(model_context, cfg.oracle.context, longest)

@@ -12,9 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rmm.config import POSITIONS
 from rmm.policies import Policy
-
-POSITIONS = ("original", "cache")
 
 # Position rules decide per query, so their results do not depend on how many tokens one forward pass
 # takes; without recorded attention they stream in chunks of at least this many tokens (the decision

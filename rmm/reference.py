@@ -501,13 +501,25 @@ def _snapkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, flo
     return scores
 
 
+SCORE_DIGITS = 4  # knorm, keydiff and lagkv compare their scores at 4 significant digits (docs/semantics.md)
+
+
+def _significant(x: float, digits: int = SCORE_DIGITS) -> float:
+    """``x`` rounded half to even to ``digits`` significant decimal digits (zero and infinities kept)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    scale = 10.0 ** (math.floor(math.log10(abs(x))) - (digits - 1))
+    return round(x / scale) * scale
+
+
 def _knorm(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
-    """Minus the L2 norm of the unrotated key."""
-    return {j: -math.hypot(*_unrotated(seen_by, "keys", layer, h, j)) for j in candidates}
+    """Minus the L2 norm of the unrotated key, at SCORE_DIGITS significant digits."""
+    return {j: -_significant(math.hypot(*_unrotated(seen_by, "keys", layer, h, j))) for j in candidates}
 
 
 def _keydiff(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
-    """Minus the cosine similarity of the unrotated key to the mean normalised key."""
+    """Minus the cosine similarity of the unrotated key to the mean normalised key, at SCORE_DIGITS
+    significant digits."""
     units = {}
     for j in candidates:
         k = _unrotated(seen_by, "keys", layer, h, j)
@@ -515,7 +527,7 @@ def _keydiff(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, fl
     dims = range(len(units[candidates[0]]))
     mean = [math.fsum(units[j][c] for j in candidates) / len(candidates) for c in dims]
     return {
-        j: -math.fsum(u * m for u, m in zip(units[j], mean, strict=True)) / math.hypot(*mean)
+        j: -_significant(math.fsum(u * m for u, m in zip(units[j], mean, strict=True)) / math.hypot(*mean))
         for j in candidates
     }
 
@@ -550,6 +562,7 @@ def _lagkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, floa
                 spread[i] = math.sqrt(math.fsum((x - mean) ** 2 for x in normed) / (len(normed) - 1))
             top = max(spread.values())
             scores[j] += math.exp(spread[j] - top) / math.fsum(math.exp(v - top) for v in spread.values())
+        scores[j] = _significant(scores[j])
     return scores
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,16 +14,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from rmm import api
+from rmm.config import POSITIONS, SCOPES
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.engine import StreamingEngine
-from rmm.future import FutureRequests
-from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
-from rmm.memory import SlotMemory
-from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
+from rmm.lookahead import ReferenceRunner, configured_reference_context
+from rmm.metrics import PeakMemory, RunTotals, segment_metrics, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
-from rmm.policies import Observation, Policy, make_policy
-from rmm.policies.select import SCOPES
-from rmm.recording import POSITIONS
+from rmm.policies import Policy, make_policy
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
@@ -56,10 +53,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     setup = build(cfg)
     environment = environment_info()  # the code that runs, read before it runs
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
-        totals, memory = stream_documents(cfg, setup, tracker)
+        totals, memory, engine = stream_documents(cfg, setup, tracker)
         tokens = pd.concat(totals.token_frames, ignore_index=True)
         metrics = {
-            **run_metrics(cfg, setup, totals, memory, tokens),
+            **run_metrics(cfg, setup, totals, memory, engine, tokens),
             **_parameters(config, "policy"),
             **_parameters(config, "dataset"),
             **environment,
@@ -99,62 +96,48 @@ def build(cfg: DictConfig) -> RunSetup:
     longest = max(d.tokens.numel() for d in docs)
     reference = None
     if policy.needs_reference or _estimating(cfg, policy):
-        context = reference_context(cfg, dims["max_position_embeddings"], longest)
+        context = configured_reference_context(cfg, dims["max_position_embeddings"], longest)
         reference = ReferenceRunner(model, cfg.oracle.tau, context)
     return RunSetup(policy, device, dtype, model, dims, docs, data_stats, longest, reference)
 
 
-def stream_documents(cfg: DictConfig, setup: RunSetup, tracker: Tracker) -> tuple[RunTotals, PeakMemory]:
-    """Stream every document under the policy; returns the run's totals and its peak memory."""
-    policy = setup.policy
-    engine = StreamingEngine(setup.model, policy, positions=cfg.positions, scope=cfg.scope)
+def stream_documents(
+    cfg: DictConfig, setup: RunSetup, tracker: Tracker
+) -> tuple[RunTotals, PeakMemory, StreamingEngine]:
+    """Stream every document under the policy (:func:`rmm.api.stream_documents`, the path
+    :func:`rmm.evaluate` takes) with a progress bar, running perplexity and memory samples."""
+    engine = StreamingEngine(setup.model, setup.policy, positions=cfg.positions, scope=cfg.scope)
     engine.check_stream(setup.longest)  # fail before the first document, not at the longest one
-    totals = RunTotals()
     memory = PeakMemory(setup.device)
     progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
-    for doc in setup.docs:
-        policy.prepare(doc.tokens, setup.reference or no_reference_pass)
-        hook = None
-        if _estimating(cfg, policy):
-            hook = _estimator_hook(policy, setup.reference(doc.tokens), totals.estimator_pairs)
-        start = time.perf_counter()
-        running = RunningPerplexity(totals, progress, tracker, memory)
-        result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=running)
-        _sync(setup.device)
-        totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start, doc.segments)
+    totals = api.stream_documents(
+        engine,
+        setup.docs,
+        setup.reference,
+        estimator=bool(cfg.diagnostics.estimator),
+        on_chunk=lambda totals, doc: RunningPerplexity(totals, progress, tracker, memory),
+    )
     progress.close()
-    if setup.reference is not None:
-        totals.reference_wall_s = setup.reference.wall_s
-    return totals, memory
+    return totals, memory, engine
 
 
 def run_metrics(
-    cfg: DictConfig, setup: RunSetup, totals: RunTotals, memory: PeakMemory, tokens: pd.DataFrame
+    cfg: DictConfig,
+    setup: RunSetup,
+    totals: RunTotals,
+    memory: PeakMemory,
+    engine: StreamingEngine,
+    tokens: pd.DataFrame,
 ) -> dict[str, Any]:
     """metrics.json, less the policy's and dataset's parameters and the environment."""
-    dims, policy = setup.dims, setup.policy
-    budget = cfg.budget if policy.budget is not None else setup.longest
     return {
         **summarize(totals),
         **segment_metrics(tokens),
         "n_skipped_short": setup.data_stats.n_skipped_short,
-        "peak_memory_bytes": memory.bytes(),
-        "kv_cache_bytes": kv_cache_bytes(
-            budget, dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], setup.dtype
-        ),
-        "reference_context": setup.reference.context if setup.reference else None,
-        "reference_tau": setup.reference.tau if setup.reference else None,
-        "policy": policy.name,
-        "budget": policy.budget,
-        **policy.metric_fields(),
-        "chunk": cfg.chunk,
-        "positions": cfg.positions,
-        "scope": cfg.scope,
+        **api.stream_fields(engine, setup.dims, setup.longest, memory, setup.reference),
         "model": cfg.model.name,
         "dataset": cfg.dataset.name,
         "seed": cfg.seed,
-        "device": str(setup.device),
-        "dtype": str(setup.dtype).removeprefix("torch."),
         "run_name": cfg.run_name,
     }
 
@@ -238,21 +221,3 @@ def _check_options(cfg: DictConfig) -> None:
         raise ValueError(f"scope must be one of {SCOPES}, got {cfg.scope!r}")
     if cfg.oracle.tau <= 0:
         raise ValueError(f"oracle.tau must be > 0, got {cfg.oracle.tau}")
-
-
-def _estimator_hook(policy: Policy, future: FutureRequests, pairs: list):
-    """Record (policy score, remaining reference attention mass) of each position as it commits."""
-
-    def hook(memory: SlotMemory, obs: Observation, now: int, scores: torch.Tensor) -> None:
-        key_pos = obs.key_pos
-        edge = now - policy.protected
-        committing = (key_pos >= edge - policy.chunk) & (key_pos < edge)
-        if committing.any():
-            pairs.append((scores[committing].cpu(), future.remaining_mass(key_pos, now)[committing].cpu()))
-
-    return hook
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

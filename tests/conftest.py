@@ -20,6 +20,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,

@@ -16,10 +16,9 @@ from hydra.utils import get_class
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf
 
+from rmm.config import POSITIONS, SCOPES
 from rmm.data import STREAM_MODES
 from rmm.policies import POLICIES, make_policy
-from rmm.policies.select import SCOPES
-from rmm.recording import POSITIONS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 STUDIES = ("main_table", "lag_sweep", "weight_ablation", "positions_ablation", "chunk_ablation")

@@ -7,11 +7,11 @@ import torch
 from conftest import distinct_stream, record_max
 from omegaconf import OmegaConf
 
+from rmm.config import POSITIONS
 from rmm.engine import StreamingEngine
 from rmm.lookahead import RequestRecorder, record_future
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
-from rmm.recording import POSITIONS
 from rmm.rotary import Rotary
 
 NLL_ATOL = 5e-6  # per token, fp32 (measured: 1.4e-6 for full, 2.4e-6 over the reference matrix)

@@ -298,7 +298,6 @@ def test_rmm_provisional_buffer_never_evicted(tiny_models, streams, chunk):
     run_engine(tiny_models["llama"], streams["llama"], "rmm", {"lag": lag}, chunk=chunk, on_boundary=hook)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gpt_neox"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_smoother_with_uniform_weight_is_future_mass(tiny_models, streams, arch):
     """oracle(future_utility, weight=uniform) keeps exactly future_mass's sets; correct and prob do not."""
@@ -314,6 +313,7 @@ def test_smoother_with_uniform_weight_is_future_mass(tiny_models, streams, arch)
     assert sets["correct"] != mass and sets["prob"] != mass and sets["correct"] != sets["prob"]
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gpt_neox"])
 def test_oracle_evicts_the_furthest_requests(tiny_models, streams, arch):
     """Belady, against the reference attention: every evicted candidate's next request (a* >= tau) is
     no sooner than every kept one's."""

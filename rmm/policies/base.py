@@ -208,6 +208,22 @@ def protect_recent(scores: torch.Tensor, key_pos: torch.Tensor, now: int, recent
     return torch.where(key_pos >= now - recent, torch.full_like(scores, NEVER), scores)
 
 
+# significant decimal digits at which scores that can tie in exact arithmetic are compared (key norms,
+# key similarities, lagkv's spreads): equal keys then give equal scores whatever the rounding of the
+# rotations, and the tie goes to the more recent position, in the engine and the reference alike
+SCORE_DIGITS = 4
+
+
+def significant(scores: torch.Tensor, digits: int = SCORE_DIGITS) -> torch.Tensor:
+    """``scores`` rounded (half to even, in float64) to ``digits`` significant decimal digits; zeros and
+    infinities unchanged. Returns float64 of the same shape."""
+    x = scores.double()
+    finite = torch.isfinite(x) & (x != 0)
+    magnitude = torch.where(finite, x.abs(), torch.ones_like(x))
+    scale = torch.pow(10.0, torch.floor(torch.log10(magnitude)) - (digits - 1))
+    return torch.where(finite, torch.round(x / scale) * scale, x)
+
+
 def weighted_attention(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sum_s attn[..., s, j] * weight[s]: attn [L, H, Q, S], weight [Q] -> [L, H, S]."""
     return (attn * weight[:, None]).sum(dim=-2)

@@ -2,14 +2,16 @@
 
 score_j = -||k_j||_2 over every candidate j, so the B' keys of smallest norm are kept (low-norm keys
 tend to draw high attention). RoPE is a rotation, so the norm is the same for rotated and unrotated
-keys. The policy never needs attention probabilities, so the engine keeps its fused attention path.
+keys; equal keys at different positions differ only by the rounding of the rotations, so norms are
+compared at ``SCORE_DIGITS`` significant digits and ties go to the more recent position. The policy
+never needs attention probabilities, so the engine keeps its fused attention path.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, Policy
+from rmm.policies.base import Observation, Policy, significant
 
 
 @dataclass
@@ -18,4 +20,4 @@ class KNorm(Policy):
     needs = frozenset({"keys"})
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
-        return -torch.linalg.vector_norm(obs.keys.float(), dim=-1)
+        return -significant(torch.linalg.vector_norm(obs.keys.double(), dim=-1))

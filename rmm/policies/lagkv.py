@@ -10,8 +10,9 @@ positions of partition k + 1,
     sigma(x) = std_c x'_c            (over the D channels, unbiased)
     score_j = softmax_{i in k} sigma(k_i) [j] + softmax_{i in k} sigma(v_i) [j]
 
-(softmax over the P positions of partition k, so every partition spends the same total score). The
-score then stays fixed. Positions not yet scored (the newest P to 2P - 1) are always kept, so both
+(softmax over the P positions of partition k, so every partition spends the same total score), compared
+at ``SCORE_DIGITS`` significant digits (equal tokens tie; the more recent is kept). The score then stays
+fixed. Positions not yet scored (the newest P to 2P - 1) are always kept, so both
 partitions are whole when they are scored; this needs sinks + 2P - 1 < B'. A token whose channels
 stray from the range of its successors carries information they do not: like rmm's lag, each token
 is judged by what follows it, here without attention.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import NEVER, Observation, Policy, check_protected, position_order
+from rmm.policies.base import NEVER, Observation, Policy, check_protected, position_order, significant
 
 EPS = 1e-6
 
@@ -73,7 +74,8 @@ class LagKV(Policy):
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         unscored = self.sinks + self.scored_partitions(now) * self.partition
         keep = (obs.key_pos < self.sinks) | (obs.key_pos >= unscored)
-        return torch.where(keep, torch.full_like(state["lag_score"], NEVER), state["lag_score"])
+        scores = significant(state["lag_score"])  # compared at SCORE_DIGITS digits: equal keys tie
+        return torch.where(keep, torch.full_like(scores, NEVER), scores)
 
 
 def _spread_softmax(x: torch.Tensor, window: torch.Tensor, size: int) -> torch.Tensor:

@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 import torch
 
-SCOPES = ("head", "layer", "global")
-
 
 def select(
     scores: torch.Tensor,

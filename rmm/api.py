@@ -1,0 +1,280 @@
+"""The library API: perplexity of a loaded causal LM under a bounded KV memory, and paired comparisons.
+
+    import rmm
+    h2o = rmm.evaluate(model, texts, tokenizer=tokenizer, policy="h2o", budget=256)
+    ours = rmm.evaluate(model, texts, tokenizer=tokenizer, policy="rmm", budget=256, lag=32)
+    print(h2o.ppl, ours.ppl, rmm.compare(h2o, ours)["ppl_ratio"])
+
+:func:`evaluate` is the one streaming path of the harness: ``python run.py`` (rmm/runner.py) builds the
+model and documents from its config and calls :func:`stream_documents` like :func:`evaluate` does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from transformers import PreTrainedModel
+
+from rmm.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
+from rmm.data import Document
+from rmm.engine import ChunkHook, StreamingEngine
+from rmm.future import FutureRequests
+from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
+from rmm.memory import SlotMemory
+from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
+from rmm.models import describe_model
+from rmm.policies import Observation, Policy, make_policy
+from rmm.storage import write_run
+
+# (totals so far, the document about to stream) -> the engine's per-chunk hook for that document
+ChunkHookFactory = Callable[[RunTotals, Document], ChunkHook | None]
+
+
+@dataclass
+class Evaluation:
+    """What :func:`evaluate` measured.
+
+    metrics : the run's metrics (``metrics.json``'s stream fields: ppl, nll_mean, n_tokens, n_docs,
+        tokens_per_s, wall_s, peak_memory_bytes, kv_cache_bytes, attended_mean, correct_frac, ...).
+    tokens : one row per token of every document: doc_id, position, token_id, nll, correct, segment
+        (the columns of ``token_nll.parquet``).
+    config : the arguments that produced it (written as ``config.yaml`` by :meth:`save`).
+    """
+
+    metrics: dict[str, Any]
+    tokens: pd.DataFrame
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ppl(self) -> float:
+        return float(self.metrics["ppl"])
+
+    def save(self, run_dir: str | Path) -> Path:
+        """Write ``config.yaml``, ``metrics.json`` and ``token_nll.parquet`` (atomically) into ``run_dir``."""
+        run_dir = Path(run_dir)
+        write_run(run_dir, self.config, self.metrics, self.tokens)
+        return run_dir
+
+
+def evaluate(
+    model: PreTrainedModel,
+    texts: str | Sequence[str] | None = None,
+    *,
+    tokenizer: Any = None,
+    token_ids: Sequence[Sequence[int] | torch.Tensor] | None = None,
+    documents: Sequence[Document] | None = None,
+    policy: str | Policy = "full",
+    budget: int | None = None,
+    chunk: int = 64,
+    positions: str = "original",
+    scope: str = "head",
+    max_tokens: int | None = None,
+    oracle_tau: float = 0.02,
+    oracle_context: int | None = None,
+    progress: bool = False,
+    **policy_params: Any,
+) -> Evaluation:
+    """Stream documents through ``model`` under a bounded KV memory and score every next-token prediction.
+
+    Parameters
+    ----------
+    model : any loaded Hugging Face causal LM with rotary positions (Llama, Mistral, Qwen2, SmolLM,
+        GPT-NeoX); its attention implementation is switched for the call and restored afterwards.
+    texts, tokenizer : documents as strings, tokenized as ``tokenizer(text).input_ids``; or
+    token_ids : documents as token id sequences; or
+    documents : :class:`rmm.data.Document` objects (e.g. from :func:`rmm.data.load_documents`).
+    policy : a registered policy name (``rmm.policies.POLICIES``) with its parameters as keyword
+        arguments (``lag=32``, ``rho=0.25``, ``weight="prob"``), or a :class:`~rmm.policies.Policy`.
+    budget : B, retained past entries per (layer, KV head); None for no bound.
+    chunk, positions, scope : C, ``original`` | ``cache``, ``head`` | ``layer`` | ``global``.
+    max_tokens : cut every document to its first ``max_tokens`` tokens.
+    oracle_tau, oracle_context : the reference pass of the oracle policies (request threshold, window).
+
+    Returns
+    -------
+    Evaluation with ``ppl``, ``metrics``, ``tokens`` and ``save(dir)``.
+    """
+    docs = _documents(texts, tokenizer, token_ids, documents, max_tokens)
+    if isinstance(policy, Policy):
+        if policy_params:
+            raise ValueError("pass a policy's parameters either in its instance or as keywords, not both")
+    else:
+        policy = make_policy({"name": policy, **policy_params}, budget=budget, chunk=chunk)
+    longest = max(doc.tokens.numel() for doc in docs)
+    dims = describe_model(model)
+    reference = None
+    if policy.needs_reference:
+        context = reference_context(dims["max_position_embeddings"], oracle_context, longest)
+        reference = ReferenceRunner(model, oracle_tau, context)
+    device = next(model.parameters()).device
+    # the engine switches the model's attention for each stream only, and restores it after
+    engine = StreamingEngine(model, policy, positions=positions, scope=scope)
+    engine.check_stream(longest)
+    memory = PeakMemory(device)
+    totals = stream_documents(engine, docs, reference, on_chunk=lambda totals, doc: _sampler(memory))
+    tokens = pd.concat(totals.token_frames, ignore_index=True)
+    metrics = {
+        **summarize(totals),
+        **segment_metrics(tokens),
+        **stream_fields(engine, dims, longest, memory, reference),
+    }
+    config = {
+        "policy": {"name": policy.name, **_policy_parameters(policy)},
+        "budget": policy.budget,
+        "chunk": policy.chunk,
+        "positions": positions,
+        "scope": scope,
+        "max_tokens": max_tokens,
+        "oracle": {"tau": oracle_tau, "context": oracle_context},
+        "model": getattr(model.config, "name_or_path", None) or type(model).__name__,
+    }
+    return Evaluation(metrics, tokens, config)
+
+
+def compare(
+    a: Evaluation,
+    b: Evaluation,
+    segment: str | None = None,
+    block: int = BLOCK,
+    n_resamples: int = N_RESAMPLES,
+    seed: int = SEED,
+) -> dict[str, Any]:
+    """Paired comparison of ``b`` against ``a`` over the same tokens: ``delta_nll`` (< 0: b better),
+    ``ppl_ratio`` = ppl_b / ppl_a with its 95 % interval (documents and ``block``-token blocks
+    resampled), documents better; ``segment`` restricts it to one segment label (e.g. ``recall``)."""
+    return compare_tokens(a.tokens, b.tokens, segment, block, n_resamples, seed=seed)
+
+
+def stream_documents(
+    engine: StreamingEngine,
+    docs: Iterable[Document],
+    reference: ReferenceRunner | None = None,
+    estimator: bool = False,
+    on_chunk: ChunkHookFactory | None = None,
+) -> RunTotals:
+    """Stream every document, each a fresh memory, and total the outcomes.
+
+    ``reference`` is the look-ahead pass the policy's ``prepare`` (the oracles) and the ``estimator``
+    diagnostic read; ``on_chunk(totals, doc)`` gives a per-chunk hook for each document.
+    """
+    policy = engine.policy
+    totals = RunTotals()
+    estimating = estimator and not policy.per_query
+    for doc in docs:
+        policy.prepare(doc.tokens, reference or no_reference_pass)
+        hook = _estimator_hook(policy, reference(doc.tokens), totals.estimator_pairs) if estimating else None
+        chunk_hook = on_chunk(totals, doc) if on_chunk is not None else None
+        start = time.perf_counter()
+        result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=chunk_hook)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start, doc.segments)
+    if reference is not None:
+        totals.reference_wall_s = reference.wall_s
+    return totals
+
+
+def stream_fields(
+    engine: StreamingEngine, dims: dict, longest: int, memory: PeakMemory, reference: ReferenceRunner | None
+) -> dict[str, Any]:
+    """The metrics a stream gives beside :func:`rmm.metrics.summarize`: memory, KV bytes, the
+    reference pass's settings and the policy's own fields."""
+    policy = engine.policy
+    budget = policy.budget if policy.budget is not None else longest
+    return {
+        "peak_memory_bytes": memory.bytes(),
+        "kv_cache_bytes": kv_cache_bytes(
+            budget, dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], engine.dtype
+        ),
+        "reference_context": reference.context if reference else None,
+        "reference_tau": reference.tau if reference else None,
+        "policy": policy.name,
+        "budget": policy.budget,
+        **policy.metric_fields(),
+        "chunk": policy.chunk,
+        "positions": engine.positions,
+        "scope": engine.scope,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+    }
+
+
+def _estimator_hook(policy: Policy, future: FutureRequests, pairs: list):
+    """Record (policy score, remaining reference attention mass) of each position as it commits."""
+
+    def hook(memory: SlotMemory, obs: Observation, now: int, scores: torch.Tensor) -> None:
+        key_pos = obs.key_pos
+        edge = now - policy.protected
+        committing = (key_pos >= edge - policy.chunk) & (key_pos < edge)
+        if committing.any():
+            pairs.append((scores[committing].cpu(), future.remaining_mass(key_pos, now)[committing].cpu()))
+
+    return hook
+
+
+def _sampler(memory: PeakMemory) -> ChunkHook:
+    return lambda streamed, nll: memory.sample()
+
+
+def _documents(
+    texts: str | Sequence[str] | None,
+    tokenizer: Any,
+    token_ids: Sequence[Sequence[int] | torch.Tensor] | None,
+    documents: Sequence[Document] | None,
+    max_tokens: int | None,
+) -> list[Document]:
+    given = [
+        name
+        for name, value in (("texts", texts), ("token_ids", token_ids), ("documents", documents))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise ValueError(
+            f"pass exactly one of texts (with tokenizer=), token_ids or documents; got {given or 'none'}"
+        )
+    if texts is not None:
+        if tokenizer is None:
+            raise ValueError(
+                "texts need a tokenizer: evaluate(model, texts, tokenizer=tokenizer), or pass token_ids="
+            )
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        token_ids = [tokenizer(text).input_ids for text in texts]
+    if token_ids is not None:
+        documents = [
+            Document(f"doc-{i:04d}", torch.as_tensor(ids, dtype=torch.long).flatten(), {})
+            for i, ids in enumerate(token_ids)
+        ]
+    docs = [
+        Document(
+            d.doc_id,
+            d.tokens[:max_tokens].clone(),
+            d.meta,
+            None if d.segments is None else d.segments[:max_tokens],
+        )
+        if max_tokens is not None
+        else d
+        for d in documents
+    ]
+    short = [d.doc_id for d in docs if d.tokens.numel() < 2]
+    if not docs or short:
+        raise ValueError(
+            f"every document needs 2 tokens or more to score a prediction; too short: {short or 'none given'}"
+        )
+    return docs
+
+
+def _policy_parameters(policy: Policy) -> dict[str, Any]:
+    """The policy's dataclass fields other than budget and chunk (its config parameters)."""
+    from dataclasses import fields
+
+    return {
+        f.name: getattr(policy, f.name)
+        for f in fields(policy)
+        if f.init and f.name not in ("budget", "chunk")
+    }
