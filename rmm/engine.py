@@ -15,11 +15,10 @@ import torch
 from transformers import PreTrainedModel
 
 from rmm import integration
-from rmm.config import SCOPES
 from rmm.memory import SlotMemory
 from rmm.models import describe_model
 from rmm.policies import Observation, Policy
-from rmm.policies.select import rule_keep, select
+from rmm.policies.select import SCOPES, rule_keep, select
 from rmm.recording import RecordingPlan, recording_plan
 from rmm.rotary import Rotary
 

@@ -7,14 +7,17 @@ It drives the engine, so it sits above it; :mod:`rmm.future` is only the value t
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 from transformers import PreTrainedModel
 
 from rmm.engine import StreamingEngine
 from rmm.future import FutureRequests
 from rmm.policies.window import Window
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 class RequestRecorder:

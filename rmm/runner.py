@@ -15,13 +15,14 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from rmm import api
-from rmm.config import POSITIONS, SCOPES
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import PeakMemory, RunTotals, segment_metrics, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import Policy, make_policy
+from rmm.policies.select import SCOPES
+from rmm.recording import POSITIONS
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 

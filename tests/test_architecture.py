@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rmm.policies import POLICIES, registry
+from rmm import config, recording
+from rmm.policies import POLICIES, registry, select
 from rmm.policies.window import Window
 
 RMM = Path(__file__).resolve().parents[1] / "rmm"
@@ -126,6 +127,11 @@ def test_types_have_one_meaning_each():
             where.setdefault(defined, []).append(name)
     assert "ReferencePass" in where and "SlotMemory" in where, "the scan misses known definitions"
     assert {defined: mods for defined, mods in where.items() if len(mods) > 1} == {}
+
+
+def test_the_light_config_checks_agree_with_the_engine():
+    """rmm/config.py checks configs without torch, so it keeps its own copies of the option lists."""
+    assert config.POSITIONS == recording.POSITIONS and config.SCOPES == select.SCOPES
 
 
 def test_registry_refuses_two_policies_with_one_name():

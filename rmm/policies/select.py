@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+SCOPES = ("head", "layer", "global")  # as rmm.config.SCOPES, which checks configs without torch
+
 
 def select(
     scores: torch.Tensor,
