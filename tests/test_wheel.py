@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import site
 import subprocess
 import sys
@@ -18,23 +19,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_wheel_in_a_fresh_venv_runs_the_readme_example(tmp_path: Path) -> None:
-    wheels = tmp_path / "wheels"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(wheels),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
+    wheels, source = tmp_path / "wheels", tmp_path / "source"  # built from a copy: the checkout stays clean
+    skip = shutil.ignore_patterns(
+        ".git", ".venv", "results", "runs", "multirun", "outputs", "build", "*.egg-info"
     )
+    shutil.copytree(ROOT, source, symlinks=True, ignore=skip)
+    pip_wheel = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(wheels),
+    ]
+    subprocess.run([*pip_wheel, str(source)], check=True, capture_output=True)
     (wheel,) = wheels.glob("rmm_harness-*.whl")
     env_dir = tmp_path / "fresh"
     venv.create(env_dir, with_pip=False)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Natural text at the paper's ratio of budget to context (docs/results.md): 8 plays x 8192 tokens, B = 256 and 512,
+# h2o, streaming_llm, rmm (lag 128, correct and uniform) and the smoother, then the paired comparisons against h2o.
+# Resumable: complete runs are skipped.   make natural8k   # or: bash experiments/natural8k.sh [Hydra overrides]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=results/cpu/natural8k
+for sweep in baselines rmm smoother; do
+    "$PY" run.py -m "experiment=natural8k_cpu_${sweep}" "$@"
+done
+rm -f "$OUT/runs/multirun.yaml"
+"$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md"
+"$PY" experiments/compare.py "$OUT/runs.csv" --baseline policy=h2o --table "$OUT/comparison.md"
