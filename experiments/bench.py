@@ -28,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from rmm import engine as engine_module
+from rmm import recording
 from rmm.data import load_documents
 from rmm.engine import StreamingEngine
 from rmm.files import atomic_write_text
@@ -308,8 +308,8 @@ def main() -> None:
     forward_s = float("inf")
     for round_ in range(args.repeats):
         for key, engine in engines.items():
-            passes = args.chunk if key == WINDOW_AT_C else engine_module.POSITION_RULE_CHUNK
-            with mock.patch.object(engine_module, "POSITION_RULE_CHUNK", passes):
+            passes = args.chunk if key == WINDOW_AT_C else recording.POSITION_RULE_CHUNK
+            with mock.patch.object(recording, "POSITION_RULE_CHUNK", passes):
                 seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
             best[key] = min(best.get(key, float("inf")), seconds)
             print(f"  round {round_ + 1}: {key:28s} {(n - 1) / seconds:8.1f} tokens/s", flush=True)

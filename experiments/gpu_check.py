@@ -51,8 +51,8 @@ from transformers import (
 )
 
 from rmm.engine import StreamingEngine
-from rmm.future import record_future
 from rmm.integration import cache_keyword
+from rmm.lookahead import record_future
 from rmm.models import config_from_architecture
 from rmm.policies import POLICIES, make_policy
 from rmm.reference import ReferenceSpec, reference_stream

@@ -85,14 +85,14 @@ MUTANTS = [
     ),
     Mutant(
         "oracle_future_reused",
-        "rmm/future.py",
+        "rmm/lookahead.py",
         "if self._last is not None and self._last[0] is tokens:",
         "if self._last is not None:",
         "reference pass: the first document's oracle future reused for the next documents",
     ),
     Mutant(
         "tie_to_older",
-        "rmm/memory.py",
+        "rmm/policies/select.py",
         "order = torch.argsort(key_pos, dim=-1, descending=True, stable=True)",
         "order = torch.argsort(key_pos, dim=-1, descending=False, stable=True)",
         "ranking: ties go to the older position",

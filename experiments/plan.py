@@ -26,19 +26,21 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
-from rmm.engine import records_probabilities, stream_chunk
+from rmm.lookahead import configured_reference_context
 from rmm.models import architecture, config_from_architecture, resolve_dtype
-from rmm.policies import Policy, make_policy
+from rmm.policies import make_policy
+from rmm.recording import RecordingPlan, recording_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-REFERENCE_CHUNK = 256  # rmm.future.record_future's default chunk
+REFERENCE_CHUNK = 256  # rmm.lookahead.record_future's default chunk
 F32, I64, BOOL = 4, 8, 1
 
 
 @dataclass
 class Plan:
     """Bytes on the GPU in one run; ``total_bytes`` is the weights plus the larger of the stream's
-    working set (KV, scratch, activations) and the reference pass's."""
+    working set (KV, scratch, activations) and the reference pass's, whose window is
+    ``reference_context`` (None without a reference pass)."""
 
     weights_bytes: int
     kv_bytes: int
@@ -46,6 +48,7 @@ class Plan:
     activation_bytes: int
     reference_pass_bytes: int
     total_bytes: int
+    reference_context: int | None = None
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -78,44 +81,30 @@ def parameter_count(arch: dict[str, Any]) -> int:
     return _parameter_count(json.dumps(arch, sort_keys=True))
 
 
-def memory_slots(policy: Policy, n_tokens: int, record: bool) -> tuple[int, int]:
-    """(R, Q): retained and chunk slots of the engine's memory for an ``n_tokens`` stream."""
-    chunk = min(stream_chunk(policy, record), n_tokens)
-    return (n_tokens if policy.budget is None else policy.capacity), chunk
-
-
-def kv_bytes(arch: dict[str, Any], policy: Policy, n_tokens: int, dtype: torch.dtype, record: bool) -> int:
+def kv_bytes(arch: dict[str, Any], recording: RecordingPlan, n_tokens: int, dtype: torch.dtype) -> int:
     """Keys and values [L, H, S, D] in ``dtype``, positions [L, H, S] int64, policy state [L, H, S] fp32."""
-    retained, chunk = memory_slots(policy, n_tokens, record)
+    retained, chunk = recording.slots(n_tokens)
     slots = arch["num_hidden_layers"] * arch["num_key_value_heads"] * (retained + chunk)
     element = torch.empty(0, dtype=dtype).element_size()
-    return slots * (2 * arch["head_dim"] * element + I64 + F32 * len(policy.state_names))
+    return slots * (2 * arch["head_dim"] * element + I64 + F32 * len(recording.state_names))
 
 
-def scratch_bytes(
-    arch: dict[str, Any],
-    policy: Policy,
-    n_tokens: int,
-    record: bool,
-    sinks: bool,
-    gradient: bool = False,
-    element: int = F32,
-) -> int:
+def scratch_bytes(arch: dict[str, Any], recording: RecordingPlan, n_tokens: int, element: int = F32) -> int:
     """Attention masks, the recorded attention [L, H, C, S] and fp32 attention logits.
 
-    Q is the tokens per forward pass (:func:`rmm.engine.stream_chunk`). Masks: [Q, S] shared by all
-    layers and heads for position rules, [L, H, Q, S] for score-based
-    policies; the blocked mask (its complement) exists when attention is recorded or sinks re-rotated,
-    and re-rotated sinks add an additive mask [Q, S] of ``element`` bytes (the model's dtype).
-    Recording also keeps the chunk's attention [L, H, C, S] fp32 and materialises one layer's logits,
-    masked logits and probabilities [n_heads, C, S] fp32 (three at once). With ``gradient`` (rmm's
-    ``weight=gradient``) the backward pass keeps those three of every layer, plus the utility
-    [L, H, C, S] fp32.
+    Q is the tokens per forward pass (``recording.chunk``). Masks: [Q, S] shared by all layers and
+    heads for position rules, [L, H, Q, S] for score-based policies; the blocked mask (its complement)
+    exists when attention is recorded or sinks re-rotated, and re-rotated sinks add an additive mask
+    [Q, S] of ``element`` bytes (the model's dtype). Recording also keeps the chunk's attention
+    [L, H, C, S] fp32 and materialises one layer's logits, masked logits and probabilities
+    [n_heads, C, S] fp32 (three at once). With gradient tracking (rmm's ``weight=gradient``) the
+    backward pass keeps those three of every layer, plus the utility [L, H, C, S] fp32.
     """
-    retained, chunk = memory_slots(policy, n_tokens, record)
+    retained, chunk = recording.slots(n_tokens)
+    record, sinks, gradient = recording.record_attention, recording.n_sink_slots > 0, recording.track_gradient
     slots = retained + chunk
     layers_heads = arch["num_hidden_layers"] * arch["num_key_value_heads"]
-    mask = chunk * slots * BOOL * (1 if policy.per_query else layers_heads)
+    mask = chunk * slots * BOOL * (1 if recording.rule is not None else layers_heads)
     total = mask * (2 if record or sinks else 1)
     if sinks:
         total += chunk * slots * element
@@ -143,19 +132,6 @@ def activation_bytes(arch: dict[str, Any], chunk: int, dtype: torch.dtype, kept_
     return chunk * (kept_layers * per_layer + logits)
 
 
-def reference_context(cfg: DictConfig, arch: dict[str, Any], n_tokens: int) -> int:
-    """The oracle's reference pass window, as the runner chooses it."""
-    model_context = arch["max_position_embeddings"]
-    if cfg.oracle.context is None:
-        if n_tokens > model_context:
-            raise ValueError(
-                f"the oracle's reference pass cannot cover a {n_tokens}-token stream with full attention "
-                f"(model context {model_context}); set dataset.max_tokens<={model_context} or oracle.context"
-            )
-        return n_tokens
-    return int(cfg.oracle.context)
-
-
 def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
     """The memory plan of the run ``cfg`` describes (``chunk`` overrides ``cfg.chunk``)."""
     n_tokens = cfg.dataset.max_tokens
@@ -165,25 +141,24 @@ def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
     dtype = resolve_dtype(cfg.dtype, "cuda")
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=chunk or cfg.chunk)
     element = torch.empty(0, dtype=dtype).element_size()
-    gradient = "gradient" in policy.needs and not policy.per_query
-    record = records_probabilities(policy)
-    sinks = cfg.positions == "cache" and policy.per_query and policy.sink_positions > 0
-    kv = kv_bytes(arch, policy, n_tokens, dtype, record)
-    scratch = scratch_bytes(arch, policy, n_tokens, record, sinks, gradient, element)
-    kept_layers = arch["num_hidden_layers"] if gradient else 1
-    activations = activation_bytes(arch, memory_slots(policy, n_tokens, record)[1], dtype, kept_layers)
-    reference = 0
-    if policy.needs_reference or (cfg.diagnostics.estimator and not policy.per_query):
-        context = reference_context(cfg, arch, n_tokens)
+    recording = recording_plan(policy, cfg.positions)
+    kv = kv_bytes(arch, recording, n_tokens, dtype)
+    scratch = scratch_bytes(arch, recording, n_tokens, element)
+    kept_layers = arch["num_hidden_layers"] if recording.track_gradient else 1
+    activations = activation_bytes(arch, recording.slots(n_tokens)[1], dtype, kept_layers)
+    reference, context = 0, None
+    if policy.needs_reference or (cfg.diagnostics.estimator and recording.rule is None):
+        context = configured_reference_context(cfg, arch["max_position_embeddings"], n_tokens)
         window = make_policy({"name": "window"}, budget=context, chunk=min(REFERENCE_CHUNK, context))
+        observed = recording_plan(window, "original").observed()  # the pass records attention
         reference = (
-            kv_bytes(arch, window, n_tokens, dtype, True)
-            + scratch_bytes(arch, window, n_tokens, True, False)
+            kv_bytes(arch, observed, n_tokens, dtype)
+            + scratch_bytes(arch, observed, n_tokens)
             + activation_bytes(arch, min(window.chunk, n_tokens), dtype)
         )
     weights = parameter_count(arch) * element
     total = weights + max(kv + scratch + activations, reference)
-    return Plan(weights, kv, scratch, activations, reference, total)
+    return Plan(weights, kv, scratch, activations, reference, total, context)
 
 
 def largest_chunk(cfg: DictConfig, gpu_bytes: int) -> int | None:

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from rmm.data import Document, load_documents
 from rmm.engine import StreamingEngine
-from rmm.future import ReferencePass, no_reference_pass
+from rmm.lookahead import ReferenceRunner, no_reference_pass
 from rmm.memory import SlotMemory
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import make_policy
@@ -99,7 +99,7 @@ def composition(run_dir: Path, cache: dict[str, Any]) -> dict[str, Any]:
     reference = no_reference_pass
     if policy.needs_reference:
         context = metrics["reference_context"] or describe_model(model)["max_position_embeddings"]
-        reference = ReferencePass(model, cfg.oracle.tau, context)
+        reference = ReferenceRunner(model, cfg.oracle.tau, context)
     for doc in docs:
         policy.prepare(doc.tokens, reference)
         classes, recalls = classify(doc)

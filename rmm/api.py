@@ -24,7 +24,8 @@ from transformers import PreTrainedModel
 from rmm.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
 from rmm.data import Document
 from rmm.engine import ChunkHook, StreamingEngine
-from rmm.future import FutureRequests, ReferencePass, no_reference_pass
+from rmm.future import FutureRequests
+from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
 from rmm.memory import SlotMemory
 from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model
@@ -110,13 +111,13 @@ def evaluate(
     reference = None
     if policy.needs_reference:
         context = reference_context(dims["max_position_embeddings"], oracle_context, longest)
-        reference = ReferencePass(model, oracle_tau, context)
+        reference = ReferenceRunner(model, oracle_tau, context)
     device = next(model.parameters()).device
-    with restored_attention(model):
-        engine = StreamingEngine(model, policy, positions=positions, scope=scope)
-        engine.check_stream(longest)
-        memory = PeakMemory(device)
-        totals = stream_documents(engine, docs, reference, on_chunk=lambda totals, doc: _sampler(memory))
+    # the engine switches the model's attention for each stream only, and restores it after
+    engine = StreamingEngine(model, policy, positions=positions, scope=scope)
+    engine.check_stream(longest)
+    memory = PeakMemory(device)
+    totals = stream_documents(engine, docs, reference, on_chunk=lambda totals, doc: _sampler(memory))
     tokens = pd.concat(totals.token_frames, ignore_index=True)
     metrics = {
         **summarize(totals),
@@ -153,7 +154,7 @@ def compare(
 def stream_documents(
     engine: StreamingEngine,
     docs: Iterable[Document],
-    reference: ReferencePass | None = None,
+    reference: ReferenceRunner | None = None,
     estimator: bool = False,
     on_chunk: ChunkHookFactory | None = None,
 ) -> RunTotals:
@@ -167,7 +168,7 @@ def stream_documents(
     estimating = estimator and not policy.per_query
     for doc in docs:
         policy.prepare(doc.tokens, reference or no_reference_pass)
-        hook = _estimator_hook(reference(doc.tokens), totals.estimator_pairs) if estimating else None
+        hook = _estimator_hook(policy, reference(doc.tokens), totals.estimator_pairs) if estimating else None
         chunk_hook = on_chunk(totals, doc) if on_chunk is not None else None
         start = time.perf_counter()
         result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=chunk_hook)
@@ -180,7 +181,7 @@ def stream_documents(
 
 
 def stream_fields(
-    engine: StreamingEngine, dims: dict, longest: int, memory: PeakMemory, reference: ReferencePass | None
+    engine: StreamingEngine, dims: dict, longest: int, memory: PeakMemory, reference: ReferenceRunner | None
 ) -> dict[str, Any]:
     """The metrics a stream gives beside :func:`rmm.metrics.summarize`: memory, KV bytes, the
     reference pass's settings and the policy's own fields."""
@@ -204,32 +205,14 @@ def stream_fields(
     }
 
 
-def reference_context(model_context: int, requested: int | None, longest: int) -> int:
-    """The reference pass's window: ``requested`` (``oracle.context``), or the whole stream when the
-    model's context ``model_context`` covers it."""
-    if requested is None:
-        if longest > model_context:
-            raise ValueError(
-                f"the oracle's reference pass cannot cover a {longest}-token stream with full attention "
-                f"(model context {model_context}); set dataset.max_tokens<={model_context}, or "
-                f"oracle.context=<window> for a windowed reference pass"
-            )
-        return longest
-    if requested > model_context:
-        raise ValueError(f"oracle.context={requested} exceeds the model's context {model_context}")
-    return int(requested)
+def _estimator_hook(policy: Policy, future: FutureRequests, pairs: list):
+    """Record (policy score, remaining reference attention mass) of each position as it commits."""
 
-
-def _estimator_hook(future: FutureRequests, pairs: list):
-    """Record (policy score, oracle future attention mass) of each position as it commits."""
-
-    def hook(memory: SlotMemory, obs: Observation, now: int) -> None:
-        policy = memory.policy
+    def hook(memory: SlotMemory, obs: Observation, now: int, scores: torch.Tensor) -> None:
         key_pos = obs.key_pos
         edge = now - policy.protected
         committing = (key_pos >= edge - policy.chunk) & (key_pos < edge)
         if committing.any():
-            scores = policy.score(memory.state_view(), obs, now)
             pairs.append((scores[committing].cpu(), future.remaining_mass(key_pos, now)[committing].cpu()))
 
     return hook
@@ -237,20 +220,6 @@ def _estimator_hook(future: FutureRequests, pairs: list):
 
 def _sampler(memory: PeakMemory) -> ChunkHook:
     return lambda streamed, nll: memory.sample()
-
-
-class restored_attention:  # noqa: N801 (a context manager used like a function)
-    """Restore ``model``'s attention implementation when the block ends (the engine switches it)."""
-
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
-        self.saved = model.config._attn_implementation
-
-    def __enter__(self) -> PreTrainedModel:
-        return self.model
-
-    def __exit__(self, *exc: object) -> None:
-        self.model.set_attn_implementation(self.saved)
 
 
 def _documents(

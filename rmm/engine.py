@@ -1,4 +1,9 @@
-"""The streaming engine: one document, chunk by chunk, through a causal LM with a bounded memory."""
+"""The streaming engine: one document, chunk by chunk, through a causal LM with a bounded memory.
+
+After every chunk a score-based policy observes what the chunk recorded; at a boundary the engine runs
+score -> select (:mod:`rmm.policies.select`) -> :meth:`~rmm.memory.SlotMemory.compact`. Which buffers
+the memory holds is the stream's :class:`~rmm.recording.RecordingPlan`.
+"""
 
 from __future__ import annotations
 
@@ -13,36 +18,19 @@ from rmm import integration
 from rmm.memory import SlotMemory
 from rmm.models import describe_model
 from rmm.policies import Observation, Policy
+from rmm.policies.select import SCOPES, rule_keep, select
+from rmm.recording import RecordingPlan, recording_plan
 from rmm.rotary import Rotary
 
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-# called before each decision of a score-based policy: (memory, observation of the chunk, now)
-DecisionHook = Callable[[SlotMemory, Observation, int], None]
+# called before each decision of a score-based policy:
+# (memory, observation of the chunk, now, the policy's scores [L, H, R + Q] that the decision selects from)
+DecisionHook = Callable[[SlotMemory, Observation, int, torch.Tensor], None]
 # called after each chunk: (tokens streamed so far, nll [Q'] of the chunk's scored predictions)
 ChunkHook = Callable[[int, torch.Tensor], None]
 # called after each decision: (memory, now, evicted [L, H, S] with -1 where kept)
 BoundaryHook = Callable[[SlotMemory, int, torch.Tensor], None]
-
-
-# Position rules decide per query, so their results do not depend on how many tokens one forward pass
-# takes; without recorded attention they stream in chunks of at least this many tokens (the decision
-# chunk C and the budget B do not limit them).
-POSITION_RULE_CHUNK = 1024
-
-
-def records_probabilities(policy: Policy) -> bool:
-    """Whether the engine computes attention probabilities for ``policy``'s own use (eager path): a
-    score-based policy that needs ``attention``, or ``gradient`` (whose utility is built from them)."""
-    return not policy.per_query and bool({"attention", "gradient"} & policy.needs)
-
-
-def stream_chunk(policy: Policy, record_attention: bool) -> int:
-    """Tokens per forward pass: C for score-based policies and whenever attention is recorded,
-    max(C, POSITION_RULE_CHUNK) for position rules otherwise."""
-    if record_attention or not policy.per_query:
-        return policy.chunk
-    return max(policy.chunk, POSITION_RULE_CHUNK)
 
 
 @dataclass
@@ -63,15 +51,17 @@ class StreamResult:
 class StreamingEngine:
     """Streams token sequences through ``model`` under ``policy`` with budget B and chunk C.
 
-    The model's attention is switched to :func:`rmm.integration.bounded_attention`; the model's own
-    KV cache is not used.
+    While a stream runs, the model's attention is :func:`rmm.integration.bounded_attention` (its own
+    implementation is restored afterwards); the model's own KV cache is not used.
     """
 
     def __init__(
         self, model: PreTrainedModel, policy: Policy, positions: str = "original", scope: str = "head"
     ):
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        self.plan = recording_plan(policy, positions)
         integration.check_model(model, positions)
-        integration.install(model)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         dims = describe_model(model)
         self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
@@ -86,9 +76,9 @@ class StreamingEngine:
             return n_tokens - 1
         if self.positions == "cache":  # ranks: the oldest visible key is at most B positions back
             return min(policy.budget, n_tokens - 1)
-        if policy.per_query:
+        if self.plan.rule is not None:
             keys = torch.arange(n_tokens)
-            visible = policy.allowed(torch.tensor([n_tokens - 1]), keys)[0]
+            visible = self.plan.rule(torch.tensor([n_tokens - 1]), keys)[0]
             return n_tokens - 1 - int(keys[visible].min())
         return n_tokens - 1  # a score-based policy may keep any past key
 
@@ -97,31 +87,18 @@ class StreamingEngine:
         what = f"policy {self.policy.name} with positions={self.positions} over {n_tokens} tokens"
         integration.check_reach(self.model, self.reach(n_tokens), what)
 
-    def chunks(self, n_tokens: int, record_attention: bool) -> list[tuple[int, int]]:
+    def chunks(self, n_tokens: int, plan: RecordingPlan) -> list[tuple[int, int]]:
         """(start, stop) of every forward pass. The first holds at most B tokens, so that a position
-        rule's first positions (streaming_llm's sinks) are retained slots by the time a query needs
-        them re-rotated (:mod:`rmm.memory`); the chunk itself is :func:`stream_chunk`."""
-        step = stream_chunk(self.policy, record_attention)
+        rule's first positions (its attention sinks) are retained slots by the time a query needs
+        them re-rotated (:mod:`rmm.memory`); the chunk itself is ``plan.chunk``."""
+        step = plan.chunk
         first = step if self.policy.budget is None else min(step, self.policy.budget)
         starts = [0, *range(first, n_tokens, step)] if first < n_tokens else [0]
         return [(start, min(start + (first if start == 0 else step), n_tokens)) for start in starts]
 
-    def new_memory(self, n_tokens: int, record_attention: bool) -> SlotMemory:
-        chunk = min(stream_chunk(self.policy, record_attention), n_tokens)
-        retained = n_tokens if self.policy.budget is None else self.policy.capacity
-        return SlotMemory(
-            self.policy,
-            self.shape,
-            retained,
-            chunk,
-            self.positions,
-            self.scope,
-            self.rotary,
-            self.dtype,
-            self.device,
-            record_attention,
-            record_queries="queries" in self.policy.needs and not self.policy.per_query,
-        )
+    def new_memory(self, n_tokens: int, plan: RecordingPlan) -> SlotMemory:
+        retained, chunk = plan.slots(n_tokens)
+        return SlotMemory(plan, self.shape, retained, chunk, self.rotary, self.dtype, self.device)
 
     @torch.no_grad()
     def stream(
@@ -137,15 +114,25 @@ class StreamingEngine:
         if n < 2:
             raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
         self.check_stream(n)
-        integration.install(self.model)  # again: anything may have switched the attention since __init__
-        tokens = tokens.to(self.device)
+        with integration.install(self.model):
+            return self._stream(tokens.to(self.device), observer, before_boundary, on_boundary, on_chunk)
+
+    def _stream(
+        self,
+        tokens: torch.Tensor,
+        observer: AttentionObserver | None,
+        before_boundary: DecisionHook | None,
+        on_boundary: BoundaryHook | None,
+        on_chunk: ChunkHook | None,
+    ) -> StreamResult:
+        n = tokens.numel()
         policy = self.policy
-        scoring = not policy.per_query
-        memory = self.new_memory(n, records_probabilities(policy) or observer is not None)
+        plan = self.plan if observer is None else self.plan.observed()
+        memory = self.new_memory(n, plan)
         nll = torch.empty(n - 1, device=self.device)
         correct = torch.empty(n - 1, dtype=torch.bool, device=self.device)
         attended, age_sum, n_evicted = 0.0, 0.0, 0
-        for start, stop in self.chunks(n, memory.record_attention):
+        for start, stop in self.chunks(n, plan):
             query_pos = torch.arange(start, stop, device=self.device)
             position_ids = memory.begin_chunk(query_pos)
             n_scored = min(stop, n - 1) - start
@@ -174,18 +161,27 @@ class StreamingEngine:
             if on_chunk is not None:
                 on_chunk(stop, token_nll)
             obs = None
-            if scoring:
+            if plan.rule is None:  # a score-based policy observes the chunk
                 outcomes = {}
                 if "outcomes" in policy.needs:
                     outcomes = _outcomes(query_pos, token_nll, token_correct)
-                obs = memory.observation(policy.needs, outcomes)
+                obs = Observation(
+                    memory.chunk_key_pos(), query_pos, **memory.observed(policy.needs), **outcomes
+                )
                 policy.observe(memory.state_view(), obs)
             if observer is not None:
                 observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
             if stop < n:
-                if before_boundary is not None and obs is not None:
-                    before_boundary(memory, obs, stop)
-                evicted = memory.boundary(stop, obs)
+                key_pos = memory.chunk_key_pos()
+                if obs is not None:
+                    scores = policy.score(memory.state_view(), obs, stop)
+                    if before_boundary is not None:
+                        before_boundary(memory, obs, stop, scores)
+                    valid, capacity = key_pos >= 0, policy.capacity
+                    keep = select(scores, key_pos, valid, capacity, self.scope, policy.scope_reduce)
+                else:
+                    keep = rule_keep(plan.rule, stop, key_pos)
+                evicted = memory.compact(keep)
                 evicted_pos = evicted[evicted >= 0]
                 age_sum += float((stop - evicted_pos).sum())
                 n_evicted += evicted_pos.numel()

@@ -17,14 +17,16 @@ and the keyword check in :func:`bounded_attention`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from rmm.models import active_sliding_window
+from rmm.models import UnsupportedModelError, active_sliding_window
 
 if TYPE_CHECKING:
     from rmm.memory import SlotMemory
@@ -37,10 +39,6 @@ IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "outp
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 # rope types whose frequencies change with the sequence length (transformers' dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
-
-
-class UnsupportedModelError(ValueError):
-    """The model's attention asks for something the bounded attention does not reproduce."""
 
 
 def bounded_attention(
@@ -168,10 +166,17 @@ def cache_keyword(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def install(model: PreTrainedModel) -> None:
-    """Register :func:`bounded_attention` and switch ``model`` to it (idempotent)."""
+@contextlib.contextmanager
+def install(model: PreTrainedModel) -> Iterator[None]:
+    """``with install(model):`` register :func:`bounded_attention` and switch ``model`` to it for the
+    block; the model's previous attention implementation is restored on leaving it."""
     AttentionInterface.register(ATTENTION_NAME, bounded_attention)
+    previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def check_model(model: PreTrainedModel, positions: str) -> None:

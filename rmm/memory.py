@@ -8,14 +8,16 @@ stream length. Positions:
 - ``cache`` (StreamingLLM's re-indexing): retained keys are numbered by rank and queries continue
   after them. Score-based policies keep a boundary's set fixed for the whole chunk, so ranks are the
   same for every query: keys are stored unrotated and rotated to their rank at use. Position rules
-  (window, streaming_llm) change the set per query; there the relative distance of every non-sink key
-  equals its original distance, and only the sinks need the query re-rotated to its rank min(t, B),
-  which is done exactly per query (see :mod:`rmm.integration`).
+  change the set per query; there the relative distance of every non-sink key equals its original
+  distance, and only the sinks need the query re-rotated to its rank min(t, B), which is done exactly
+  per query (see :mod:`rmm.integration`).
 
-What a policy observes after a chunk (:meth:`SlotMemory.observation`) is read from these slots; keys
-and queries are handed over unrotated in both position modes. With ``original`` positions a policy
-that reads keys makes the memory keep a second, unrotated copy of them, rotated back once as they
-arrive (``cache`` already stores keys unrotated).
+The memory never sees a policy: which buffers exist is said by its :class:`~rmm.recording.RecordingPlan`,
+and what it keeps at a boundary by the keep mask handed to :meth:`SlotMemory.compact`. What a policy
+observes after a chunk (:meth:`SlotMemory.observed`) is read from these slots; keys and queries are
+handed over unrotated in both position modes. With ``original`` positions a policy that reads keys
+makes the memory keep a second, unrotated copy of them, rotated back once as they arrive (``cache``
+already stores keys unrotated).
 
 A policy that needs ``gradient`` turns on gradient tracking: the chunk's forward pass runs with autograd
 (only that pass), the chunk's own keys and values keep their graph inside the pass so that the loss of a
@@ -28,11 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from rmm.policies import Observation, Policy
+from rmm.recording import RecordingPlan
 from rmm.rotary import Rotary
-
-POSITIONS = ("original", "cache")
-SCOPES = ("head", "layer", "global")
 
 
 class SlotMemory:
@@ -40,6 +39,7 @@ class SlotMemory:
 
     Parameters
     ----------
+    plan : which buffers exist (:func:`rmm.recording.recording_plan`).
     shape : (n_layers, n_kv_heads, head_dim).
     retained : R, slots for entries kept across boundaries (B for position rules, B - C + 1 otherwise).
     chunk : C, slots for the chunk.
@@ -47,49 +47,38 @@ class SlotMemory:
 
     def __init__(
         self,
-        policy: Policy,
+        plan: RecordingPlan,
         shape: tuple[int, int, int],
         retained: int,
         chunk: int,
-        positions: str,
-        scope: str,
         rotary: Rotary,
         dtype: torch.dtype,
         device: torch.device,
-        record_attention: bool,
-        record_queries: bool = False,
     ):
-        if positions not in POSITIONS:
-            raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-        if scope not in SCOPES:
-            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         n_layers, n_heads, head_dim = shape
         slots = retained + chunk
-        self.policy, self.retained, self.chunk, self.scope = policy, retained, chunk, scope
+        self.plan, self.retained, self.chunk = plan, retained, chunk
         self.rotary = rotary
-        self.store_unrotated = positions == "cache" and not policy.per_query
-        self.record_attention = record_attention
-        self.track_gradient = "gradient" in policy.needs and not policy.per_query
+        self.store_unrotated = plan.store_unrotated
+        self.record_attention = record_attention = plan.record_attention
+        self.track_gradient = plan.track_gradient
         if self.track_gradient and not record_attention:
-            raise ValueError("gradient tracking needs attention probabilities: pass record_attention=True")
+            raise ValueError("gradient tracking needs attention probabilities: record_attention must be set")
         self.keys = torch.zeros(n_layers, n_heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         # original positions and a policy that reads keys: a second, unrotated copy, filled as keys arrive
-        wants_raw = "keys" in policy.needs and not policy.per_query and not self.store_unrotated
-        self.raw_keys = torch.zeros_like(self.keys) if wants_raw else None
+        self.raw_keys = torch.zeros_like(self.keys) if plan.raw_keys else None
         self.key_pos = torch.full((n_layers, n_heads, slots), -1, dtype=torch.long, device=device)
-        self.state = {
-            name: torch.zeros(n_layers, n_heads, slots, device=device) for name in policy.state_names
-        }
+        self.state = {name: torch.zeros(n_layers, n_heads, slots, device=device) for name in plan.state_names}
         self.attn = torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None
         # gradient tracking: u_s(j) of the last chunk [L, H, C, R + C], and what each layer's attention
         # used during the chunk's forward pass: (layer, probs [H, G, Q, S], values [H, S, D], output)
         self.utility = torch.zeros_like(self.attn) if self.track_gradient else None
         self._outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.record_queries = record_queries
+        self.record_queries = plan.record_queries
         self.queries: torch.Tensor | None = None  # [L, H, G, C, D] unrotated, allocated at the first store
         self._query_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.n_sink_slots = policy.sink_positions if positions == "cache" and policy.per_query else 0
+        self.n_sink_slots = plan.n_sink_slots
         self._rank_table = (
             rotary.table(torch.arange(retained, device=device)) if self.store_unrotated else None
         )
@@ -115,16 +104,16 @@ class SlotMemory:
         for tensor in self.state.values():
             tensor[:, :, self.retained :] = 0
         key_pos = self.key_pos[:, :, :end]
-        if self.policy.per_query:
+        if self.plan.rule is not None:
             shared = key_pos[:1, :1]  # position rules give every layer and head the same set
             allowed = (shared[..., None, :] >= 0) & (shared[..., None, :] <= query_pos[:, None])
-            self._allowed = allowed & self.policy.allowed(query_pos, shared)
+            self._allowed = allowed & self.plan.rule(query_pos, shared)
         else:
             self._allowed = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= query_pos[:, None])
         self._blocked = ~self._allowed if self.record_attention or self.n_sink_slots else None
         self._sink_table, self._other_bias = None, None
         if self.n_sink_slots:
-            delta = query_pos.clamp(max=self.policy.budget) - query_pos  # rank min(t, B) minus t
+            delta = query_pos.clamp(max=self.plan.sink_rank) - query_pos  # rank min(t, B) minus t
             if bool((delta != 0).any()):
                 self._sink_table = self.rotary.table(delta)
                 other = self._allowed.clone()
@@ -246,13 +235,11 @@ class SlotMemory:
         n = self.retained + self.query_pos.numel()
         return {name: tensor[:, :, :n] for name, tensor in self.state.items()}
 
-    def observation(self, needs: frozenset[str], outcomes: dict[str, torch.Tensor]) -> Observation:
-        """The chunk's :class:`~rmm.policies.Observation`, holding exactly what ``needs`` names.
-
-        ``outcomes`` holds correct, prob and nll [Q] of the chunk's queries.
-        """
-        key_pos = self.chunk_key_pos()
-        n, n_q = key_pos.shape[-1], self.query_pos.numel()
+    def observed(self, needs: frozenset[str]) -> dict[str, torch.Tensor]:
+        """The chunk's recorded fields of an observation, exactly those ``needs`` names from
+        ``attention``, ``keys``, ``values``, ``queries`` and ``gradient`` (shapes:
+        :class:`~rmm.policies.Observation`)."""
+        n, n_q = self.retained + self.query_pos.numel(), self.query_pos.numel()
         fields: dict[str, torch.Tensor] = {}
         if "attention" in needs:
             fields["attention"] = self.chunk_attention()
@@ -263,11 +250,9 @@ class SlotMemory:
             fields["values"] = self.values[:, :, :n]
         if "queries" in needs:
             fields["queries"] = self.queries[:, :, :, :n_q]
-        if "outcomes" in needs:
-            fields.update(outcomes)
         if "gradient" in needs:
             fields["gradient"] = self.utility[:, :, :n_q, :n]
-        return Observation(key_pos, self.query_pos, **fields)
+        return fields
 
     def attended_total(self) -> float:
         """Past entries (itself excluded) attended by the chunk's queries, averaged over layers and
@@ -275,36 +260,16 @@ class SlotMemory:
         return float((self._allowed.sum(dim=-1) - 1).float().mean(dim=(0, 1)).sum())
 
     # ---- boundary (engine) ---------------------------------------------------------------------
-    def boundary(self, now: int, obs: Observation | None) -> torch.Tensor:
-        """Decide what the memory keeps before query ``now``, from the last chunk's observation ``obs``
-        (None for position rules).
+    def compact(self, keep: torch.Tensor) -> torch.Tensor:
+        """Keep the candidate slots ``keep`` [L, H, R + Q] marks (at most R per layer and head), moved
+        to the front of the retained region sorted by position; the others are evicted.
 
         Returns the evicted positions [L, H, R + Q] (-1 where nothing was evicted).
         """
         key_pos = self.chunk_key_pos()
         valid = key_pos >= 0
-        if self.policy.per_query:
-            keep = valid & self.policy.allowed(torch.tensor([now], device=key_pos.device), key_pos)[..., 0, :]
-        else:
-            scores = self._share(self.policy.score(self.state_view(), obs, now).float())
-            keep = valid & (_rank(scores, key_pos, valid) < self.policy.capacity)
+        keep = keep & valid
         evicted = torch.where(valid & ~keep, key_pos, torch.full_like(key_pos, -1))
-        self._compact(keep, key_pos)
-        return evicted
-
-    def _share(self, scores: torch.Tensor) -> torch.Tensor:
-        """Combine scores over heads (scope=layer) or layers and heads (scope=global)."""
-        if self.scope == "head":
-            return scores
-        dims = (1,) if self.scope == "layer" else (0, 1)
-        if self.policy.scope_reduce == "max":
-            shared = scores.amax(dim=dims, keepdim=True)
-        else:
-            shared = scores.sum(dim=dims, keepdim=True)
-        return shared.expand_as(scores)
-
-    def _compact(self, keep: torch.Tensor, key_pos: torch.Tensor) -> None:
-        """Move kept slots to the front of the retained region, sorted by position."""
         order_key = torch.where(keep, key_pos, torch.full_like(key_pos, torch.iinfo(torch.long).max))
         index = torch.argsort(order_key, dim=-1, stable=True)[..., : self.retained]  # [L, H, R]
         kept = torch.gather(keep, -1, index)
@@ -318,19 +283,4 @@ class SlotMemory:
         for tensor in self.state.values():
             tensor[:, :, : self.retained] = torch.gather(tensor[:, :, :n], -1, index)
         self.key_pos[:, :, : self.retained] = new_pos
-
-
-def _rank(scores: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Rank of every slot [L, H, S]: valid first, then higher score, then more recent position."""
-    order = torch.argsort(key_pos, dim=-1, descending=True, stable=True)
-    order = torch.gather(
-        order, -1, torch.argsort(torch.gather(scores, -1, order), dim=-1, descending=True, stable=True)
-    )
-    order = torch.gather(
-        order,
-        -1,
-        torch.argsort(torch.gather(valid, -1, order).to(torch.int8), dim=-1, descending=True, stable=True),
-    )
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return rank
+        return evicted

@@ -54,6 +54,10 @@ class ModelNotAvailableError(OSError):
     """The configured model cannot be found locally and cannot be downloaded."""
 
 
+class UnsupportedModelError(ValueError):
+    """The model's attention asks for something the bounded attention does not reproduce."""
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` -> a usable :class:`torch.device`."""
     name = str(name).strip().lower()

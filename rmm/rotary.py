@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from rmm.integration import UnsupportedModelError
+from rmm.models import UnsupportedModelError
 
 
 class Rotary:

@@ -17,11 +17,12 @@ from transformers import PreTrainedModel
 from rmm import api
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.engine import StreamingEngine
-from rmm.future import ReferencePass
-from rmm.memory import POSITIONS, SCOPES
+from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import PeakMemory, RunTotals, segment_metrics, summarize
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import Policy, make_policy
+from rmm.policies.select import SCOPES
+from rmm.recording import POSITIONS
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
@@ -40,7 +41,7 @@ class RunSetup:
     docs: list[Document]
     data_stats: DatasetStats
     longest: int  # tokens in the longest stream
-    reference: ReferencePass | None  # the reference pass, when the policy or a diagnostic needs it
+    reference: ReferenceRunner | None  # the reference pass, when the policy or a diagnostic needs it
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -96,7 +97,8 @@ def build(cfg: DictConfig) -> RunSetup:
     longest = max(d.tokens.numel() for d in docs)
     reference = None
     if policy.needs_reference or _estimating(cfg, policy):
-        reference = ReferencePass(model, cfg.oracle.tau, _reference_context(cfg, dims, longest))
+        context = configured_reference_context(cfg, dims["max_position_embeddings"], longest)
+        reference = ReferenceRunner(model, cfg.oracle.tau, context)
     return RunSetup(policy, device, dtype, model, dims, docs, data_stats, longest, reference)
 
 
@@ -220,10 +222,3 @@ def _check_options(cfg: DictConfig) -> None:
         raise ValueError(f"scope must be one of {SCOPES}, got {cfg.scope!r}")
     if cfg.oracle.tau <= 0:
         raise ValueError(f"oracle.tau must be > 0, got {cfg.oracle.tau}")
-
-
-def _reference_context(cfg: DictConfig, dims: dict, longest: int) -> int:
-    """The reference pass's window (:func:`rmm.api.reference_context`). The model's context is
-    ``model.max_context`` when the model config sets it, else the checkpoint's ``max_position_embeddings``."""
-    model_context = cfg.model.get("max_context") or dims["max_position_embeddings"]
-    return api.reference_context(model_context, cfg.oracle.context, longest)

@@ -7,9 +7,9 @@ import torch
 from conftest import distinct_stream, record_max
 from omegaconf import OmegaConf
 
+from rmm.config import POSITIONS
 from rmm.engine import StreamingEngine
-from rmm.future import RequestRecorder, record_future
-from rmm.memory import POSITIONS
+from rmm.lookahead import RequestRecorder, record_future
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
 from rmm.rotary import Rotary
@@ -36,7 +36,6 @@ def test_full_equals_plain_forward(tiny_models, streams, arch, chunk, positions)
     result = StreamingEngine(model, policy, positions=positions).stream(tokens)
     record_max("per-token |NLL full - plain forward|, fp32", float((result.nll - expected).abs().max()))
     torch.testing.assert_close(result.nll, expected, rtol=0, atol=NLL_ATOL)
-    model.set_attn_implementation("sdpa")
     assert torch.equal(result.correct, model(tokens[None]).logits[0, :-1].argmax(-1) == tokens[1:])
 
 
@@ -179,7 +178,7 @@ def test_observed_keys_and_queries_are_unrotated(tiny_models, arch):
         probe = Probe(budget=12, chunk=4)
         probe.mode = mode
         engine = StreamingEngine(model, probe, positions=mode)
-        memory = engine.new_memory(tokens.numel(), record_attention=False)
+        memory = engine.new_memory(tokens.numel(), engine.plan)
         assert memory.attn is None, "an attention-free policy must not record attention"
         engine.stream(tokens)
     for (pos_o, keys_o, queries_o), (pos_c, keys_c, queries_c) in zip(*seen.values(), strict=True):

@@ -12,7 +12,7 @@ from test_policies import CASES, NLL_ATOL, fits, retained_sets
 from transformers import AttentionInterface
 
 from rmm.engine import StreamingEngine
-from rmm.future import record_future
+from rmm.lookahead import record_future
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -47,7 +47,7 @@ def test_gradient_utility_is_the_gate_derivative(arch):
     start, stop = 4, 8  # the second chunk of 4; budget 16 keeps everything, so attention is full causal
     captured = {}
 
-    def keep(memory, obs, now):
+    def keep(memory, obs, now, scores):
         captured[now] = (obs.gradient.clone(), obs.key_pos.clone())
 
     policy = make_policy({"name": "rmm", **GRADIENT}, budget=16, chunk=4)
@@ -96,7 +96,7 @@ def test_gradient_leaves_no_autograd_state(tiny_models, streams):
     policy = make_policy({"name": "rmm", **GRADIENT}, budget=8, chunk=4)
     live = []
 
-    def check(memory, obs, now):
+    def check(memory, obs, now, scores):
         for tensor in [memory.keys, memory.values, memory.attn, memory.utility, *memory.state.values()]:
             assert not tensor.requires_grad and tensor.grad_fn is None
         assert not memory._outputs, "the chunk's graph must be released after its backward pass"

@@ -17,7 +17,8 @@ from transformers import (
 )
 
 from rmm.engine import StreamingEngine
-from rmm.integration import UnsupportedModelError, bounded_attention, check_model
+from rmm.integration import ATTENTION_NAME, bounded_attention, check_model, install
+from rmm.models import UnsupportedModelError
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -153,3 +154,21 @@ def test_refused_before_any_forward(windowed, tokens, monkeypatch: pytest.Monkey
     with pytest.raises(UnsupportedModelError):
         engine(windowed, "h2o").stream(tokens)
     assert not calls
+
+
+def test_install_restores_the_attention_implementation(tokens):
+    """The bounded attention holds only while installed: inside a stream, or a ``with install(model):``
+    block, even one left by an error."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("eager")
+    seen = []
+    engine(model, "h2o").stream(
+        tokens[:12], on_chunk=lambda *_: seen.append(model.config._attn_implementation)
+    )
+    assert set(seen) == {ATTENTION_NAME}
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(RuntimeError, match="left"):
+        with install(model):
+            assert model.config._attn_implementation == ATTENTION_NAME
+            raise RuntimeError("left")
+    assert model.config._attn_implementation == "eager"

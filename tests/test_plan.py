@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import tiny_model
 
 from experiments import plan as planner
-from rmm.engine import StreamingEngine, records_probabilities, stream_chunk
+from rmm import integration, runner
+from rmm.data import DatasetStats, Document
+from rmm.engine import StreamingEngine
+from rmm.models import config_from_architecture
 from rmm.policies import make_policy
 
 N_TOKENS = 48
@@ -34,25 +39,26 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def allocated(model, policy, positions: str = "original", record: bool | None = None) -> tuple[int, int]:
-    """(KV bytes, scratch bytes) the engine allocates for the first chunk of an N_TOKENS stream."""
+def allocated(model, policy, positions: str = "original", observed: bool = False) -> tuple[int, int]:
+    """(KV bytes, scratch bytes) the engine allocates for the first chunk of an N_TOKENS stream
+    (``observed``: with an attention observer, as the reference pass)."""
     engine = StreamingEngine(model, policy, positions=positions)
-    if record is None:
-        record = records_probabilities(policy)
-    memory = engine.new_memory(N_TOKENS, record_attention=record)
+    plan = engine.plan.observed() if observed else engine.plan
+    memory = engine.new_memory(N_TOKENS, plan)
     logits_shapes = []
-    if record:
+    if plan.record_attention:
         store = memory.store_attention
         memory.store_attention = lambda layer, probs: (logits_shapes.append(probs.shape), store(layer, probs))
     # a chunk past the budget: the steady state, where position rules re-rotate their sinks
-    query_pos = torch.arange(min(stream_chunk(policy, record), N_TOKENS)) + (policy.budget or 0)
+    query_pos = torch.arange(plan.slots(N_TOKENS)[1]) + (policy.budget or 0)
     position_ids = memory.begin_chunk(query_pos)
-    model(
-        input_ids=query_pos[None] % model.config.vocab_size,
-        position_ids=position_ids[None],
-        kv_memory=memory,
-        use_cache=False,
-    )
+    with integration.install(model):
+        model(
+            input_ids=query_pos[None] % model.config.vocab_size,
+            position_ids=position_ids[None],
+            kv_memory=memory,
+            use_cache=False,
+        )
     kv = nbytes(memory.keys, memory.values, memory.key_pos, *memory.state.values())
     scratch = nbytes(memory._allowed, memory._blocked, memory._other_bias, memory.attn, memory.utility)
     if logits_shapes:  # fp32 logits, masked logits and probabilities [n_heads, Q, S]: one layer's at a
@@ -104,7 +110,7 @@ def test_reference_pass_matches_the_oracle_window(saved):
     path, model = saved
     result = planner.plan(compose(path, "policy=oracle", "budget=16", "chunk=4"))
     window = make_policy({"name": "window"}, budget=N_TOKENS, chunk=min(256, N_TOKENS))
-    kv, scratch = allocated(model, window, record=True)
+    kv, scratch = allocated(model, window, observed=True)
     activations = planner.activation_bytes(
         planner.model_architecture(compose(path).model), N_TOKENS, torch.float32
     )
@@ -158,3 +164,39 @@ def test_gradient_weight_plans_the_backward_pass(saved):
     assert gradient.kv_bytes == correct.kv_bytes
     assert gradient.scratch_bytes > correct.scratch_bytes
     assert gradient.activation_bytes > correct.activation_bytes
+
+
+@pytest.mark.parametrize("model", sorted(p.stem for p in (planner.CONF / "model").glob("*.yaml")))
+def test_planner_and_runner_agree_on_the_reference_context(saved, model, monkeypatch):
+    """Every shipped model config: the planner plans a reference pass of the window the runner builds,
+    and refuses, with the runner's message, the streams and windows the runner refuses (for instance
+    qwen2_5_7b's 65536-token streams, beyond its max_context 32768)."""
+    local = [f"model.path={saved[0]}"] if model == "local" else []
+    base = planner.compose_config(
+        [f"model={model}", *local, "policy=oracle", "budget=16", "chunk=4", "device=cpu"]
+    )
+    arch = planner.model_architecture(base.model)
+    limit = base.model.max_context or arch["max_position_embeddings"]
+    monkeypatch.setattr(planner, "parameter_count", lambda arch: 0)  # no weights are built or loaded
+    loaded = SimpleNamespace(config=config_from_architecture(arch))
+    monkeypatch.setattr(runner, "load_model", lambda *args: (loaded, None))
+    outcomes = set()
+    for n_tokens in (limit, limit + 1):
+        stream = Document("doc", torch.zeros(n_tokens, dtype=torch.long), {})
+        monkeypatch.setattr(
+            runner, "load_documents", lambda *a, s=stream: ([s], DatasetStats(1, 0, s.tokens.numel()))
+        )
+        for context in (None, limit - 1, limit + 1):
+            cfg = copy.deepcopy(base)
+            cfg.dataset.max_tokens, cfg.oracle.context = n_tokens, context
+            try:
+                planned = planner.plan(cfg).reference_context
+            except ValueError as err:
+                planned = str(err)
+            try:
+                ran = runner.build(cfg).reference.context
+            except ValueError as err:
+                ran = str(err)
+            assert planned == ran, (model, n_tokens, context)
+            outcomes.add(type(ran))
+    assert outcomes == {int, str}, "the grid must hold runs and refusals"

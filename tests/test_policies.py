@@ -16,7 +16,7 @@ from conftest import distinct_stream, record_max
 
 from rmm import integration
 from rmm.engine import StreamingEngine
-from rmm.future import record_future
+from rmm.lookahead import record_future
 from rmm.policies import POLICIES, make_policy
 from rmm.reference import POSITION_RULES, SCORE_POLICIES, ReferenceSpec, reference_attention, reference_stream
 

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from rmm import runner
 from rmm.data import load_documents
 from rmm.engine import StreamingEngine
-from rmm.future import record_future
+from rmm.lookahead import record_future
 from rmm.models import load_model
 from rmm.policies import POLICIES, make_policy
 from rmm.runner import run

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rmm.policies.base import NEEDS, Observation, Policy, ReferencePass
@@ -21,9 +21,21 @@ from rmm.policies.streaming_llm import StreamingLLM
 from rmm.policies.tova import TOVA
 from rmm.policies.window import Window
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (
+
+def registry(classes: Iterable[type[Policy]]) -> dict[str, type[Policy]]:
+    """Policy classes by their ``name``; two classes with one name are refused."""
+    table: dict[str, type[Policy]] = {}
+    for cls in classes:
+        if cls.name in table:
+            raise ValueError(
+                f"two policies are named {cls.name!r}: {table[cls.name].__name__} and {cls.__name__}"
+            )
+        table[cls.name] = cls
+    return table
+
+
+POLICIES = registry(
+    (
         Full,
         Window,
         StreamingLLM,
@@ -39,7 +51,7 @@ POLICIES: dict[str, type[Policy]] = {
         LRU,
         LagKV,
     )
-}
+)
 
 _NOT_PARAMETERS = {"name", "tag"}
 

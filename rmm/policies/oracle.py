@@ -1,6 +1,6 @@
 """oracle (Belady, lag = infinity): evict what is requested furthest in the future.
 
-Future requests come from the reference pass (:mod:`rmm.future`), which :meth:`Oracle.prepare` runs
+Future requests come from the reference pass (:mod:`rmm.lookahead`), which :meth:`Oracle.prepare` runs
 once per stream: key j is requested by query s when the reference attention a*_s(j) >= tau.
 ``next_use`` evicts the candidates whose next request is latest (never-requested first);
 ``future_mass`` keeps the top by remaining reference attention mass; ``future_utility`` (the smoother,

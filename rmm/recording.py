@@ -1,0 +1,97 @@
+"""The recording plan of a stream: which buffers the slot memory holds and how chunks are streamed.
+
+Derived once from (policy, positions) by :func:`recording_plan`. The engine, the memory
+(:class:`~rmm.memory.SlotMemory` takes the plan, never the policy) and the memory planner
+(experiments/plan.py) all read this one plan, so the rules below are written only here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from rmm.policies import Policy
+
+POSITIONS = ("original", "cache")  # as rmm.config.POSITIONS, which checks configs without torch
+
+# Position rules decide per query, so their results do not depend on how many tokens one forward pass
+# takes; without recorded attention they stream in chunks of at least this many tokens (the decision
+# chunk C and the budget B do not limit them).
+POSITION_RULE_CHUNK = 1024
+
+# a position rule: allowed(query_pos [Q], key_pos [..., S]) -> bool [..., Q, S]
+PositionRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RecordingPlan:
+    """What one stream records.
+
+    rule : the position rule, applied per query; None for a score-based policy (it ranks at boundaries).
+    capacity : R, slots kept across boundaries; None when unbounded (R is then the stream length).
+    decision_chunk : C, tokens between two boundaries.
+    record_attention : attention probabilities [L, H, C, S] are computed and kept (the eager path).
+    record_queries : the chunk's unrotated queries [L, H, G, C, D] are kept.
+    raw_keys : a second, unrotated copy of the keys is kept (original positions, a policy reads keys).
+    store_unrotated : keys are stored unrotated and rotated to their rank at use (cache positions,
+        score-based policies).
+    track_gradient : the chunk's forward pass runs with autograd for the gradient utility [L, H, C, S].
+    n_sink_slots : the first slots whose keys a query sees re-rotated to its rank min(t, sink_rank)
+        (cache positions, a position rule with attention sinks); 0 otherwise.
+    sink_rank : B, the largest rank of a query under cache positions (read when n_sink_slots > 0).
+    state_names : the policy's per-slot statistics [L, H, S], moved with the slots.
+    """
+
+    rule: PositionRule | None
+    capacity: int | None
+    decision_chunk: int
+    record_attention: bool
+    record_queries: bool
+    raw_keys: bool
+    store_unrotated: bool
+    track_gradient: bool
+    n_sink_slots: int
+    sink_rank: int | None
+    state_names: tuple[str, ...]
+
+    @property
+    def chunk(self) -> int:
+        """Tokens per forward pass: C for score-based policies and whenever attention is recorded,
+        max(C, POSITION_RULE_CHUNK) for position rules otherwise."""
+        if self.record_attention or self.rule is None:
+            return self.decision_chunk
+        return max(self.decision_chunk, POSITION_RULE_CHUNK)
+
+    def slots(self, n_tokens: int) -> tuple[int, int]:
+        """(R, Q): retained and chunk slots of the memory for an ``n_tokens`` stream."""
+        retained = n_tokens if self.capacity is None else self.capacity
+        return retained, min(self.chunk, n_tokens)
+
+    def observed(self) -> RecordingPlan:
+        """The plan with attention recorded for an observer of every chunk."""
+        return replace(self, record_attention=True)
+
+
+def recording_plan(policy: Policy, positions: str) -> RecordingPlan:
+    """The recording plan of ``policy`` under ``positions`` (``original`` or ``cache``)."""
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+    scoring = not policy.per_query
+    needs = policy.needs if scoring else frozenset()
+    store_unrotated = positions == "cache" and scoring
+    return RecordingPlan(
+        rule=None if scoring else policy.allowed,
+        capacity=None if policy.budget is None else policy.capacity,
+        decision_chunk=policy.chunk,
+        # the gradient utility is built from the attention probabilities
+        record_attention=bool({"attention", "gradient"} & needs),
+        record_queries="queries" in needs,
+        raw_keys="keys" in needs and not store_unrotated,
+        store_unrotated=store_unrotated,
+        track_gradient="gradient" in needs,
+        n_sink_slots=policy.sink_positions if positions == "cache" and not scoring else 0,
+        sink_rank=policy.budget,
+        state_names=tuple(policy.state_names),
+    )
