@@ -4,7 +4,8 @@
 # Resumable across sittings: complete runs are skipped, so the same command continues where it stopped.
 #   make regimes                          # or: bash experiments/regimes.sh [extra Hydra overrides]
 # PY selects the interpreter (default .venv/bin/python); REGIME_SWEEPS a subset of the sweeps (names without the
-# regimes_cpu_ prefix, space-separated; default all, in this order); REPORT_ONLY=1 only rewrites the report.
+# regimes_cpu_ prefix, space-separated; default all, in this order); REPORT_ONLY=1 only rewrites the report;
+# MEMORY=1 adds the memory composition of the base cell (memory_base.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -21,3 +22,15 @@ if [ -z "${REPORT_ONLY:-}" ]; then
     rm -f "$OUT/runs/multirun.yaml"
 fi
 "$PY" experiments/regimes.py "$OUT/runs" --out "$OUT"
+# Where the memory goes in the base cell, per seed (re-streams 5 runs a seed; MEMORY=1 to run it).
+if [ -n "${MEMORY:-}" ]; then
+    runs=()
+    for seed in 1 2 3; do
+        base="$OUT/runs/smollm2_135m/reuse_r4d4_e32_g192_s${seed}"
+        for run in h2o_rho0.5 rmm_H48_correct_accumulate rmm_H48_uniform_accumulate rmm_H48_correct_freeze \
+            oracle_future_utility_correct; do
+            [ -f "$base/${run}_B128_C16_cache_s0/metrics.json" ] && runs+=("$base/${run}_B128_C16_cache_s0")
+        done
+    done
+    "$PY" experiments/reuse_memory.py "${runs[@]}" --out "$OUT/memory_base.md"
+fi

@@ -113,7 +113,7 @@ def composition(run_dir: Path, cache: dict[str, Any]) -> dict[str, Any]:
         first += hook.first_kept
     mean = torch.stack(shares).mean(dim=0).tolist()
     return {
-        "run_name": run_dir.name,
+        "run_name": f"{run_dir.parent.name}/{run_dir.name}",  # the setting (seed included) and the run
         **dict(zip(CLASSES, mean, strict=True)),
         "true code kept at recall": float(np.mean(kept)),
         "position 0 kept": float(np.mean(first)),
