@@ -189,7 +189,7 @@ def cells_markdown(table: pd.DataFrame) -> str:
         "intervals resampling seeds, then streams, then code blocks; wins count seeds and streams where b",
         "is better.",
         "Shares are (NLL h2o - NLL arm) / (NLL h2o - NLL smoother) with the same resampling.",
-        "`*` marks an interval that excludes no effect (ratio 1 or share 0).",
+        "`*` marks an interval that excludes 1 (ratios) or 0 (shares).",
         "",
     ]
     for _, rows in table.groupby([*FACTORS, "lag"], sort=True):
