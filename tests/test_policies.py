@@ -504,3 +504,19 @@ def test_bad_allocations_are_refused(tiny_models, name, params, positions, scope
     policy = make_policy({"name": name, **params}, budget=budget, chunk=4)
     with pytest.raises(ValueError, match=re.escape(fix)):
         StreamingEngine(tiny_models["llama"], policy, positions=positions, scope=scope, allocation=allocation)
+
+
+def test_allocation_rules_agree_with_the_reference():
+    """The engine's capacities and floor against the reference's own integer rules, over many shapes."""
+    from rmm import reference as ref
+    from rmm.policies.select import adaptive_floor, pyramid_capacities
+
+    for capacity in range(1, 300):
+        floor = adaptive_floor(capacity)
+        assert floor == -(-capacity // 5) and 5 * floor >= capacity > 5 * (floor - 1)
+        for n_layers in (1, 2, 3, 7, 24, 32):
+            for protected in {0, capacity // 4, capacity // 2, capacity - 1}:
+                caps = pyramid_capacities(capacity, protected, n_layers)
+                assert caps == ref._pyramid(capacity, protected, n_layers)
+                assert sum(caps) == n_layers * capacity and min(caps) > protected
+                assert caps == sorted(caps, reverse=True)

@@ -14,7 +14,6 @@ the largest number of entries one head can hold.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -74,8 +73,9 @@ def _layer_best(
 
 
 def adaptive_floor(capacity: int) -> int:
-    """f = ceil(0.2 B'): the entries every head keeps under ``adaptive`` allocation."""
-    return math.ceil(0.2 * capacity)
+    """f = ceil(0.2 B'): the entries every head keeps under ``adaptive`` allocation (in integers, so
+    that no float rounding can decide it)."""
+    return -(-capacity // 5)
 
 
 def pyramid_capacities(capacity: int, protected: int, n_layers: int) -> list[int]:
@@ -84,7 +84,7 @@ def pyramid_capacities(capacity: int, protected: int, n_layers: int) -> list[int
     0, 1, 2, ..., so that sum_l c_l = L B'. One layer keeps B'."""
     if n_layers == 1:
         return [capacity]
-    last = max(math.ceil(capacity / 4), protected + 1)
+    last = max(-(-capacity // 4), protected + 1)
     first = 2 * capacity - last
     steps = n_layers - 1
     caps = [first] + [(first * steps + (last - first) * layer) // steps for layer in range(1, steps)] + [last]
