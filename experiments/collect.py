@@ -35,6 +35,7 @@ ID_COLUMNS = [
     "chunk",
     "positions",
     "scope",
+    "allocation",
     "seed",
 ]
 SORT_COLUMNS = [*ID_COLUMNS[1:], "run_dir"]
@@ -55,7 +56,7 @@ POLICY_ORDER = [
     "oracle",
 ]
 # Columns that tell apart configurations of one policy within a model/dataset besides ``policy.*``.
-VARIANT_COLUMNS = ["chunk", "positions", "scope"]
+VARIANT_COLUMNS = ["chunk", "positions", "scope", "allocation"]
 PARAM_EXCLUDE = ("policy.name", "policy.tag")
 
 
@@ -119,6 +120,8 @@ def collect(
     frame = pd.DataFrame(list(rows.values()))
     if frame.empty:
         return pd.DataFrame(columns=["run_dir"])
+    if "allocation" in frame.columns:  # runs written before the allocation axis kept B' per head
+        frame["allocation"] = frame["allocation"].fillna("uniform")
     params = sorted(c for c in frame.columns if c.startswith("policy."))
     leading = [c for c in ID_COLUMNS if c in frame.columns] + params
     rest = [c for c in frame.columns if c not in leading and c != "run_dir"]

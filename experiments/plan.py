@@ -141,7 +141,9 @@ def plan(cfg: DictConfig, chunk: int | None = None) -> Plan:
     dtype = resolve_dtype(cfg.dtype, "cuda")
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=chunk or cfg.chunk)
     element = torch.empty(0, dtype=dtype).element_size()
-    recording = recording_plan(policy, cfg.positions)
+    allocation = cfg.get("allocation", "uniform")  # R is the largest per-head capacity
+    shape = (arch["num_hidden_layers"], arch["num_key_value_heads"])
+    recording = recording_plan(policy, cfg.positions, allocation, shape)
     kv = kv_bytes(arch, recording, n_tokens, dtype)
     scratch = scratch_bytes(arch, recording, n_tokens, element)
     kept_layers = arch["num_hidden_layers"] if recording.track_gradient else 1

@@ -74,6 +74,7 @@ def evaluate(
     chunk: int = 64,
     positions: str = "original",
     scope: str = "head",
+    allocation: str = "uniform",
     max_tokens: int | None = None,
     oracle_tau: float = 0.02,
     oracle_context: int | None = None,
@@ -93,6 +94,7 @@ def evaluate(
         arguments (``lag=32``, ``rho=0.25``, ``weight="prob"``), or a :class:`~rmm.policies.Policy`.
     budget : B, retained past entries per (layer, KV head); None for no bound.
     chunk, positions, scope : C, ``original`` | ``cache``, ``head`` | ``layer`` | ``global``.
+    allocation : ``uniform`` | ``adaptive`` | ``pyramid``, the budget across heads and layers.
     max_tokens : cut every document to its first ``max_tokens`` tokens.
     oracle_tau, oracle_context : the reference pass of the oracle policies (request threshold, window).
 
@@ -114,7 +116,7 @@ def evaluate(
         reference = ReferenceRunner(model, oracle_tau, context)
     device = next(model.parameters()).device
     # the engine switches the model's attention for each stream only, and restores it after
-    engine = StreamingEngine(model, policy, positions=positions, scope=scope)
+    engine = StreamingEngine(model, policy, positions=positions, scope=scope, allocation=allocation)
     engine.check_stream(longest)
     memory = PeakMemory(device)
     totals = stream_documents(engine, docs, reference, on_chunk=lambda totals, doc: _sampler(memory))
@@ -130,6 +132,7 @@ def evaluate(
         "chunk": policy.chunk,
         "positions": positions,
         "scope": scope,
+        "allocation": allocation,
         "max_tokens": max_tokens,
         "oracle": {"tau": oracle_tau, "context": oracle_context},
         "model": getattr(model.config, "name_or_path", None) or type(model).__name__,
@@ -200,6 +203,7 @@ def stream_fields(
         "chunk": policy.chunk,
         "positions": engine.positions,
         "scope": engine.scope,
+        "allocation": engine.allocation,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
     }

@@ -9,6 +9,8 @@ Resolvers, registered when this module is imported (every code path that compose
 
 - ``${when:A,B,TEXT}``: TEXT when A equals B, else the empty string (a run-name part that only one
   value of a parameter needs, e.g. the oracle's query weight, which only ``future_utility`` reads).
+- ``${unless:A,B,TEXT}``: TEXT unless A equals B, else the empty string (a run-name part that the
+  default value of a parameter leaves out, so that run directories written before it keep their names).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from omegaconf import OmegaConf
 
 POSITIONS = ("original", "cache")
 SCOPES = ("head", "layer", "global")
+ALLOCATIONS = ("uniform", "adaptive", "pyramid")  # as rmm.policies.select.ALLOCATIONS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -40,8 +43,13 @@ def when(value: object, expected: object, text: str) -> str:
     return str(text) if value == expected else ""
 
 
+def unless(value: object, expected: object, text: str) -> str:
+    return "" if value == expected else str(text)
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("when", when, replace=True)
+    OmegaConf.register_new_resolver("unless", unless, replace=True)
 
 
 def _positive_int(value: Any, key: str, nullable: bool = False) -> None:
@@ -58,6 +66,9 @@ def check_config(cfg: Mapping[str, Any]) -> None:
         raise ValueError(f"positions must be one of {POSITIONS}, got {cfg['positions']!r}")
     if cfg["scope"] not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {cfg['scope']!r}")
+    allocation = cfg.get("allocation", "uniform")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
     _positive_int(cfg["budget"], "budget", nullable=True)
     _positive_int(cfg["chunk"], "chunk")
     if cfg["budget"] is not None and cfg["chunk"] > cfg["budget"]:
@@ -121,9 +132,12 @@ def check_run(cfg: Mapping[str, Any]) -> None:
     check_config(cfg)
     from rmm.data import check_dataset
     from rmm.policies import make_policy
+    from rmm.policies.select import check_allocation
 
     check_dataset(cfg["dataset"])
-    make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])
+    policy = make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])
+    allocation = cfg.get("allocation", "uniform")
+    check_allocation(allocation, cfg["scope"], cfg["positions"], policy.name, policy.per_query)
 
 
 register_resolvers()

@@ -18,7 +18,7 @@ from rmm import integration
 from rmm.memory import SlotMemory
 from rmm.models import describe_model
 from rmm.policies import Observation, Policy
-from rmm.policies.select import SCOPES, rule_keep, select
+from rmm.policies.select import SCOPES, adaptive_floor, capacities, check_allocation, rule_keep, select
 from rmm.recording import RecordingPlan, recording_plan
 from rmm.rotary import Rotary
 
@@ -51,21 +51,46 @@ class StreamResult:
 class StreamingEngine:
     """Streams token sequences through ``model`` under ``policy`` with budget B and chunk C.
 
+    ``allocation`` (``uniform``, ``adaptive`` or ``pyramid``) splits the budget across KV heads and
+    layers (:mod:`rmm.policies.select`, docs/semantics.md); the capacities are computed once here.
+
     While a stream runs, the model's attention is :func:`rmm.integration.bounded_attention` (its own
     implementation is restored afterwards); the model's own KV cache is not used.
     """
 
     def __init__(
-        self, model: PreTrainedModel, policy: Policy, positions: str = "original", scope: str = "head"
+        self,
+        model: PreTrainedModel,
+        policy: Policy,
+        positions: str = "original",
+        scope: str = "head",
+        allocation: str = "uniform",
     ):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        check_allocation(allocation, scope, positions, policy.name, policy.per_query)
+        if allocation != "uniform" and policy.budget is None:
+            raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
         self.plan = recording_plan(policy, positions)
         integration.check_model(model, positions)
-        self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         dims = describe_model(model)
         self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
+        if allocation != "uniform":  # R: the largest per-head capacity
+            self.plan = recording_plan(policy, positions, allocation, self.shape[:2])
+        self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
+        self.allocation = allocation
+        # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
+        self.capacity: int | torch.Tensor | None = None
+        self.floor: int | None = None
+        if policy.budget is not None and not policy.per_query:
+            self.capacity = policy.capacity
+            if allocation == "pyramid":
+                self.capacity = capacities(allocation, policy.capacity, policy.protected, *self.shape[:2])
+            elif allocation == "adaptive":
+                self.floor = adaptive_floor(policy.capacity)
         self.device = next(model.parameters()).device
+        if isinstance(self.capacity, torch.Tensor):
+            self.capacity = self.capacity.to(self.device)
         self.dtype = next(model.parameters()).dtype
         self.rotary = Rotary(model).to(self.device)
 
@@ -177,8 +202,8 @@ class StreamingEngine:
                     scores = policy.score(memory.state_view(), obs, stop)
                     if before_boundary is not None:
                         before_boundary(memory, obs, stop, scores)
-                    valid, capacity = key_pos >= 0, policy.capacity
-                    keep = select(scores, key_pos, valid, capacity, self.scope, policy.scope_reduce)
+                    valid, reduce = key_pos >= 0, policy.scope_reduce
+                    keep = select(scores, key_pos, valid, self.capacity, self.scope, reduce, self.floor)
                 else:
                     keep = rule_keep(plan.rule, stop, key_pos)
                 evicted = memory.compact(keep)

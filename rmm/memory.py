@@ -41,7 +41,8 @@ class SlotMemory:
     ----------
     plan : which buffers exist (:func:`rmm.recording.recording_plan`).
     shape : (n_layers, n_kv_heads, head_dim).
-    retained : R, slots for entries kept across boundaries (B for position rules, B - C + 1 otherwise).
+    retained : R, slots for entries kept across boundaries (B for position rules, B - C + 1 otherwise, or
+        the largest per-head capacity under a non-uniform budget allocation).
     chunk : C, slots for the chunk.
     """
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rmm.policies import Policy
+from rmm.policies.select import retained_slots
 
 POSITIONS = ("original", "cache")  # as rmm.config.POSITIONS, which checks configs without torch
 
@@ -30,7 +31,9 @@ class RecordingPlan:
     """What one stream records.
 
     rule : the position rule, applied per query; None for a score-based policy (it ranks at boundaries).
-    capacity : R, slots kept across boundaries; None when unbounded (R is then the stream length).
+    capacity : R, slots kept across boundaries: B' under uniform allocation, the largest per-head
+        capacity otherwise (:func:`rmm.policies.select.retained_slots`); None when unbounded (R is
+        then the stream length).
     decision_chunk : C, tokens between two boundaries.
     record_attention : attention probabilities [L, H, C, S] are computed and kept (the eager path).
     record_queries : the chunk's unrotated queries [L, H, G, C, D] are kept.
@@ -74,16 +77,24 @@ class RecordingPlan:
         return replace(self, record_attention=True)
 
 
-def recording_plan(policy: Policy, positions: str) -> RecordingPlan:
-    """The recording plan of ``policy`` under ``positions`` (``original`` or ``cache``)."""
+def recording_plan(
+    policy: Policy, positions: str, allocation: str = "uniform", shape: tuple[int, int] | None = None
+) -> RecordingPlan:
+    """The recording plan of ``policy`` under ``positions`` (``original`` or ``cache``) and the budget
+    ``allocation`` over ``shape`` = (n_layers, n_kv_heads) (needed unless ``allocation`` is uniform)."""
     if positions not in POSITIONS:
         raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+    capacity = None if policy.budget is None else policy.capacity
+    if capacity is not None and allocation != "uniform" and not policy.per_query:
+        if shape is None:
+            raise ValueError(f"allocation={allocation} needs the model's (n_layers, n_kv_heads)")
+        capacity = retained_slots(allocation, capacity, policy.protected, *shape)
     scoring = not policy.per_query
     needs = policy.needs if scoring else frozenset()
     store_unrotated = positions == "cache" and scoring
     return RecordingPlan(
         rule=None if scoring else policy.allowed,
-        capacity=None if policy.budget is None else policy.capacity,
+        capacity=capacity,
         decision_chunk=policy.chunk,
         # the gradient utility is built from the attention probabilities
         record_attention=bool({"attention", "gradient"} & needs),

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
 POSITION_RULES = ("full", "window", "streaming_llm")
 SCORE_POLICIES = (
@@ -57,6 +57,7 @@ class ReferenceSpec:
     chunk: int = 1
     positions: str = "original"
     scope: str = "head"
+    allocation: str = "uniform"  # uniform | adaptive | pyramid: the budget across heads and layers
     sinks: int = 4
     rho: float = 0.5
     lag: int = 0
@@ -204,7 +205,13 @@ def reference_stream(
     future = None
     if spec.policy == "oracle":
         future = reference_pass(model, tokens, spec.context)
-    model.set_attn_implementation("eager")
+    if spec.allocation == "uniform":
+        model.set_attn_implementation("eager")
+    else:  # heads may hold different numbers of entries
+        if spec.positions != "original" or (spec.policy == "rmm" and spec.weight == "gradient"):
+            raise ValueError("the reference's non-uniform allocations need original positions, no gradient")
+        AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
+        model.set_attn_implementation(RAGGED_ATTENTION)
     # per (layer, head): key j -> (key as the model produced it, position it was rotated at), value j
     keys = [[{} for _ in range(n_kv)] for _ in range(n_layers)]
     values = [[{} for _ in range(n_kv)] for _ in range(n_layers)]
@@ -257,6 +264,7 @@ def reference_stream(
             per_head = []
             for h in range(n_kv):
                 summed = heads[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
+                summed = summed[: len(retained[layer][h])] + summed[-1:]  # without a ragged head's padding
                 seen = dict(zip(retained[layer][h] + [t], summed, strict=True))
                 per_head.append(seen)
                 last[layer][h] = seen
@@ -303,20 +311,50 @@ def reference_stream(
 
 def _cache(retained: list, keys: list, values: list, made_at: dict, positions: str, inv_freq: list):
     """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty. With cache
-    positions every key moves from the position the model produced it at to its rank in R."""
-    if not retained[0][0]:
+    positions every key moves from the position the model produced it at to its rank in R.
+
+    Heads holding different numbers of entries (a non-uniform allocation) are padded with zero keys and
+    values to the longest, and :data:`_RAGGED_MASK` gives the padding -inf (see :func:`_ragged_attention`).
+    """
+    _RAGGED_MASK.clear()
+    longest = max(len(kept) for per_head in retained for kept in per_head)
+    if not longest:
         return None
     cache = DynamicCache()
     for layer, per_head in enumerate(retained):
-        layer_keys, layer_values = [], []
+        layer_keys, layer_values, blocked = [], [], []
         for h, kept in enumerate(per_head):
-            head_keys = torch.stack([keys[layer][h][j] for j in kept])
+            zero = torch.zeros_like(next(iter(keys[layer][h].values())))
+            pad = [zero] * (longest - len(kept))
+            head_keys = torch.stack([keys[layer][h][j] for j in kept] + pad)
             if positions == "cache":  # key j moves to its rank
+                assert not pad, "cache positions need equal counts per head"
                 head_keys = rope_rotate(head_keys, [r - made_at[j] for r, j in enumerate(kept)], inv_freq)
             layer_keys.append(head_keys)
-            layer_values.append(torch.stack([values[layer][h][j] for j in kept]))
+            layer_values.append(torch.stack([values[layer][h][j] for j in kept] + pad))
+            blocked.append([False] * len(kept) + [True] * len(pad) + [False])  # the query's own key last
+        if any(any(row) for row in blocked):
+            _RAGGED_MASK[layer] = torch.zeros(len(blocked), longest + 1).masked_fill(
+                torch.tensor(blocked), -math.inf
+            )
         cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
     return cache
+
+
+# padding of heads that hold fewer entries than the longest: layer -> additive mask [n_kv, M + 1]
+_RAGGED_MASK: dict[int, torch.Tensor] = {}
+RAGGED_ATTENTION = "rmm_reference_ragged"
+
+
+def _ragged_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The model's own eager attention, with the padding of :data:`_RAGGED_MASK` blocked per KV head."""
+    eager = type(module).__init__.__globals__["eager_attention_forward"]  # from the model's own module
+    extra = _RAGGED_MASK.get(module.layer_idx)
+    if extra is not None:
+        group = query.shape[1] // extra.shape[0]
+        extra = extra.to(query.dtype).repeat_interleave(group, dim=0)[None, :, None, :]
+        attention_mask = extra if attention_mask is None else attention_mask + extra
+    return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
 def _counts(spec: ReferenceSpec, s: int, j: int) -> bool:
@@ -388,9 +426,17 @@ def _visible(spec: ReferenceSpec, now: int, j: int) -> bool:
 
 
 def _decide(spec: ReferenceSpec, retained: list, now: int, n: int, utility, last, future, seen_by) -> None:
-    """At boundary ``now``: keep B' = B - C + 1 of the candidates (R plus the chunk), in place."""
+    """At boundary ``now``: keep B' = B - C + 1 of the candidates (R plus the chunk), in place; under a
+    non-uniform ``allocation`` the capacity of each (layer, head) of docs/semantics.md."""
     n_layers, n_kv = len(retained), len(retained[0])
     capacity = spec.budget - spec.chunk + 1
+    if spec.allocation == "adaptive":
+        for layer in range(n_layers):
+            _decide_adaptive(spec, retained, layer, now, n, capacity, utility, last, future, seen_by)
+        return
+    per_layer = [capacity] * n_layers
+    if spec.allocation == "pyramid":
+        per_layer = _pyramid(capacity, _protected(spec, capacity), n_layers)
     if spec.scope == "head":
         groups = [[(layer, h)] for layer in range(n_layers) for h in range(n_kv)]
     elif spec.scope == "layer":
@@ -400,16 +446,75 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, n: int, utility, last
     for members in groups:
         candidates = retained[members[0][0]][members[0][1]]
         assert all(retained[layer][h] == candidates for layer, h in members), "a shared set diverged"
+        room = per_layer[members[0][0]]  # the layer's capacity; the policy's own rules read B'
         if spec.policy in _LIST_RULES:
-            keep = _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by)
+            keep = _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by, room)
         else:
-            keep = _choose(spec, members, candidates, now, n, capacity, utility, last, future)
+            keep = _choose(spec, members, candidates, now, n, capacity, utility, last, future, room)
         for layer, h in members:
             retained[layer][h] = sorted(keep)
 
 
-def _choose(spec, members, candidates, now, n, capacity, utility, last, future) -> list[int]:
-    """Which ``capacity`` candidates survive, by the policy's rule (shared over ``members``)."""
+def _protected(spec: ReferenceSpec, capacity: int) -> int:
+    """The policy's always-kept recent positions, as its own rule counts them (for the pyramid's minimum)."""
+    if spec.policy in ("h2o", "random", "observed_attention"):
+        return int(spec.rho * capacity)
+    if spec.policy == "rmm":
+        return spec.lag
+    if spec.policy == "snapkv":
+        return spec.window
+    if spec.policy == "lagkv":
+        return 2 * spec.partition - 1
+    return 0
+
+
+def _pyramid(capacity: int, protected: int, n_layers: int) -> list[int]:
+    """Per-layer capacities falling linearly with depth, summing to L * B' (docs/semantics.md)."""
+    if n_layers == 1:
+        return [capacity]
+    last = max(-(-capacity // 4), protected + 1)
+    first = 2 * capacity - last
+    caps = [first]
+    for layer in range(1, n_layers - 1):
+        caps.append((first * (n_layers - 1) + (last - first) * layer) // (n_layers - 1))  # floor, exact
+    caps.append(last)
+    residue = n_layers * capacity - sum(caps)
+    return [c + (1 if layer < residue else 0) for layer, c in enumerate(caps)]
+
+
+def _decide_adaptive(spec, retained, layer, now, n, capacity, utility, last, future, seen_by) -> None:
+    """AdaKV over one layer: each head keeps its f = ceil(0.2 B') best, then the layer's other
+    n_kv (B' - f) slots go to the best remaining candidates of all its heads (higher score, then more
+    recent position, then lower head index)."""
+    floor = -(-capacity // 5)
+    kept, rest = [], []
+    for h, candidates in enumerate(retained[layer]):
+        score = _head_scores(spec, layer, h, candidates, now, n, capacity, utility, last, future, seen_by)
+        ranked = sorted(candidates, key=lambda j: (score[j], j), reverse=True)  # noqa: B023
+        kept.append(ranked[:floor])
+        rest += [(-score[j], -j, h, j) for j in ranked[floor:]]
+    for _, _, h, j in sorted(rest)[: len(retained[layer]) * (capacity - floor)]:
+        kept[h].append(j)
+    for h in range(len(retained[layer])):
+        retained[layer][h] = sorted(kept[h])
+
+
+def _head_scores(spec, layer, h, candidates, now, n, capacity, utility, last, future, seen_by) -> dict:
+    """One head's scores {position: score} of its candidates, math.inf where always kept."""
+    if spec.policy in _LIST_RULES:
+        return _LIST_RULES[spec.policy](spec, seen_by, layer, h, candidates, now, capacity)
+    if spec.policy == "oracle" and spec.variant == "next_use":
+        return {j: -_next_request(future[0], layer, h, j, now, spec.tau) for j in candidates}
+    protected = _protected(spec, capacity)
+    return {
+        j: math.inf if j >= now - protected else _score(spec, layer, h, j, now, utility, last, future)
+        for j in candidates
+    }
+
+
+def _choose(spec, members, candidates, now, n, capacity, utility, last, future, room) -> list[int]:
+    """Which ``room`` candidates survive, by the policy's rule (shared over ``members``); ``capacity``
+    is B', from which the policy's own rules count (h2o's recent window)."""
     if spec.policy == "oracle" and spec.variant == "next_use":
         # Belady: keep the soonest next requests (a shared set serves whoever needs a key first);
         # a never-requested key's next request is at infinity; ties keep the more recent position
@@ -417,7 +522,7 @@ def _choose(spec, members, candidates, now, n, capacity, utility, last, future) 
             j: min(_next_request(future[0], layer, h, j, now, spec.tau) for layer, h in members)
             for j in candidates
         }
-        return sorted(candidates, key=lambda j: (soonest[j], -j))[:capacity]
+        return sorted(candidates, key=lambda j: (soonest[j], -j))[:room]
     if spec.policy in ("h2o", "random"):
         protected = int(spec.rho * capacity)
     elif spec.policy == "rmm":
@@ -431,7 +536,7 @@ def _choose(spec, members, candidates, now, n, capacity, utility, last, future) 
         for j in rest
     }
     ranked = sorted(rest, key=lambda j: (score[j], j), reverse=True)  # higher first, then more recent
-    return kept + ranked[: capacity - len(kept)]
+    return kept + ranked[: room - len(kept)]
 
 
 def _score(spec, layer: int, h: int, j: int, now: int, utility, last, future) -> float:
@@ -465,13 +570,13 @@ def _next_request(future: torch.Tensor, layer: int, h: int, j: int, now: int, ta
 # add up (lru: the latest use counts); the highest are kept, ties to the more recent position.
 
 
-def _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by) -> list[int]:
+def _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by, room) -> list[int]:
     tables = [
         _LIST_RULES[spec.policy](spec, seen_by, layer, h, candidates, now, capacity) for layer, h in members
     ]
     reduce = max if spec.policy == "lru" else math.fsum
     score = {j: reduce([table[j] for table in tables]) for j in candidates}
-    return sorted(candidates, key=lambda j: (score[j], j), reverse=True)[:capacity]
+    return sorted(candidates, key=lambda j: (score[j], j), reverse=True)[:room]
 
 
 def _unrotated(seen_by, source: str, layer: int, h: int, j: int) -> list[float]:

@@ -107,7 +107,13 @@ def stream_documents(
 ) -> tuple[RunTotals, PeakMemory, StreamingEngine]:
     """Stream every document under the policy (:func:`rmm.api.stream_documents`, the path
     :func:`rmm.evaluate` takes) with a progress bar, running perplexity and memory samples."""
-    engine = StreamingEngine(setup.model, setup.policy, positions=cfg.positions, scope=cfg.scope)
+    engine = StreamingEngine(
+        setup.model,
+        setup.policy,
+        positions=cfg.positions,
+        scope=cfg.scope,
+        allocation=cfg.get("allocation", "uniform"),
+    )
     engine.check_stream(setup.longest)  # fail before the first document, not at the longest one
     memory = PeakMemory(setup.device)
     progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
@@ -212,6 +218,7 @@ _NOT_RESULTS = {"resume", "progress", "wandb", "model.architecture"}
 ADDED_KEY_DEFAULTS: dict[str, object] = {
     "policy.seed": 0,  # random's seed became a policy key; the runs before it used the run seed, 0 in all
     "policy.weight": "correct",  # the oracle's weight (read by future_utility only) came with that variant
+    "allocation": "uniform",  # budget allocation across heads and layers; before it, every head kept B'
 }
 
 

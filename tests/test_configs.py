@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,30 @@ def test_lag_is_defined_once_and_overridable_at_top_level(compose_cfg: Compose) 
     assert compose_cfg("policy=rmm").policy.lag == compose_cfg().lag
     with pytest.raises(ValueError, match="missing 1 required positional argument: 'lag'"):
         make_policy({"name": "rmm"}, budget=256, chunk=64)
+
+
+def test_allocation_enters_the_run_name_only_when_not_uniform(compose_cfg: Compose) -> None:
+    """Run directories written before the allocation axis keep their names; the others carry _A<name>."""
+    from rmm.config import check_run
+
+    uniform = compose_cfg("policy=h2o").run_name
+    assert uniform == compose_cfg("policy=h2o", "allocation=uniform").run_name
+    assert "_A" not in uniform
+    for allocation in ("adaptive", "pyramid"):
+        name = compose_cfg("policy=h2o", f"allocation={allocation}").run_name
+        assert name == uniform.replace("_original_s0", f"_original_A{allocation}_s0")
+        check_run(compose_cfg("policy=h2o", f"allocation={allocation}"))
+    for overrides, fix in [
+        (("allocation=adaptive", "scope=layer"), "scope=head"),
+        (("allocation=pyramid", "scope=global"), "scope=head|layer"),
+        (("allocation=pyramid", "positions=cache"), "positions=original"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(fix)):
+            check_run(compose_cfg("policy=h2o", *overrides))
+    with pytest.raises(ValueError, match="allocation=uniform"):
+        check_run(compose_cfg("policy=window", "allocation=pyramid"))
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        check_run(compose_cfg("policy=h2o", "allocation=pyramids"))
 
 
 COMMITTED = {"reproduce_cpu_": "results/cpu/runs", "reuse_cpu_": "results/cpu/reuse/runs"}

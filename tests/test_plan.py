@@ -39,10 +39,12 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def allocated(model, policy, positions: str = "original", observed: bool = False) -> tuple[int, int]:
+def allocated(
+    model, policy, positions: str = "original", observed: bool = False, allocation: str = "uniform"
+) -> tuple[int, int]:
     """(KV bytes, scratch bytes) the engine allocates for the first chunk of an N_TOKENS stream
     (``observed``: with an attention observer, as the reference pass)."""
-    engine = StreamingEngine(model, policy, positions=positions)
+    engine = StreamingEngine(model, policy, positions=positions, allocation=allocation)
     plan = engine.plan.observed() if observed else engine.plan
     memory = engine.new_memory(N_TOKENS, plan)
     logits_shapes = []
@@ -103,6 +105,17 @@ def test_kv_and_scratch_match_allocations(saved, overrides, policy_cfg, budget, 
     assert result.reference_pass_bytes == 0
     expected_total = result.weights_bytes + result.kv_bytes + result.scratch_bytes + result.activation_bytes
     assert result.total_bytes == expected_total
+
+
+@pytest.mark.parametrize("allocation", ["adaptive", "pyramid"])
+def test_allocations_plan_their_retained_slots(saved, allocation):
+    """The planner counts R from the allocation (the largest per-head capacity), as the engine does."""
+    path, model = saved
+    result = planner.plan(compose(path, "policy=h2o", "budget=16", "chunk=4", f"allocation={allocation}"))
+    policy = make_policy({"name": "h2o"}, 16, 4)
+    kv, scratch = allocated(model, policy, allocation=allocation)
+    assert result.kv_bytes == kv and result.scratch_bytes == scratch
+    assert kv > allocated(model, policy)[0]  # more slots than uniform's B', masks carry the rest
 
 
 def test_reference_pass_matches_the_oracle_window(saved):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -72,10 +73,11 @@ def run_engine(
     on_boundary=None,
     observer=None,
     context=1024,
+    allocation="uniform",
 ):
     policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
     policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=context))
-    engine = StreamingEngine(model, policy, positions=positions, scope=scope)
+    engine = StreamingEngine(model, policy, positions=positions, scope=scope, allocation=allocation)
     return engine.stream(tokens, observer=observer, on_boundary=on_boundary)
 
 
@@ -92,7 +94,15 @@ def retained_sets(model, tokens, name, params, **kwargs) -> tuple:
 
 
 @functools.cache
-def reference(arch: str, name: str, frozen: tuple, chunk: int, positions: str, scope: str = "head"):
+def reference(
+    arch: str,
+    name: str,
+    frozen: tuple,
+    chunk: int,
+    positions: str,
+    scope: str = "head",
+    allocation: str = "uniform",
+):
     """(nll, correct, retained_log) of the reference, cached across tests; position rules ignore C."""
     from conftest import distinct_stream, sampled_stream, tiny_model
 
@@ -103,7 +113,15 @@ def reference(arch: str, name: str, frozen: tuple, chunk: int, positions: str, s
         tokens = distinct_stream()
     else:
         tokens = _STREAMS[arch] if arch in _STREAMS else _STREAMS.setdefault(arch, sampled_stream(model))
-    spec = ReferenceSpec(policy=name, budget=BUDGET, chunk=chunk, positions=positions, scope=scope, **params)
+    spec = ReferenceSpec(
+        policy=name,
+        budget=BUDGET,
+        chunk=chunk,
+        positions=positions,
+        scope=scope,
+        allocation=allocation,
+        **params,
+    )
     nll, correct = reference_stream(model, tokens, spec)
     return nll, correct, spec.retained_log
 
@@ -133,13 +151,19 @@ def fits(name: str, params: dict, chunk: int) -> bool:
     return True
 
 
-def check_against_reference(model, tokens, arch, name, params, chunk, positions, scope="head"):
+def check_against_reference(
+    model, tokens, arch, name, params, chunk, positions, scope="head", allocation="uniform"
+):
     ref_chunk = 1 if name in POSITION_RULES else chunk
     ref_nll, ref_correct, ref_sets = reference(
-        arch, name, tuple(sorted(params.items())), ref_chunk, positions, scope
+        arch, name, tuple(sorted(params.items())), ref_chunk, positions, scope, allocation
     )
-    result, sets = retained_sets(model, tokens, name, params, chunk=chunk, positions=positions, scope=scope)
-    where = f"{arch} {name} {params} chunk={chunk} positions={positions} scope={scope}"
+    result, sets = retained_sets(
+        model, tokens, name, params, chunk=chunk, positions=positions, scope=scope, allocation=allocation
+    )
+    where = (
+        f"{arch} {name} {params} chunk={chunk} positions={positions} scope={scope} allocation={allocation}"
+    )
     record_max("per-token |NLL engine - reference|, fp32", float((result.nll - ref_nll).abs().max()))
     torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=NLL_ATOL, msg=where)
     assert torch.equal(result.correct, ref_correct), where
@@ -352,3 +376,147 @@ def test_windowed_oracle_context_matches_reference(tiny_models, streams, arch, v
     torch.testing.assert_close(windowed.nll, ref_nll, rtol=0, atol=NLL_ATOL)
     assert all(sets[now] == spec.retained_log[now] for now in sets)
     assert sets != full_sets, "the window must change what the oracle keeps on this stream"
+
+
+# ---- budget allocation across heads and layers (docs/semantics.md) ----------------------------------
+ALLOCATIONS = ["adaptive", "pyramid"]
+ALLOCATION_CASES = [("h2o", {}), ("rmm", {"lag": 3}), ("knorm", {})]
+
+
+def allocation_matrix():
+    """The allocation cases on every architecture at chunks 1, 4 and 5 with original positions; the fast
+    loop runs Llama at chunk 4, the rest is slow (like :func:`matrix`)."""
+    for arch, (name, params), allocation, chunk in itertools.product(
+        ARCHS, ALLOCATION_CASES, ALLOCATIONS, CHUNKS
+    ):
+        fast = arch == "llama" and chunk == 4
+        yield pytest.param(
+            arch,
+            name,
+            params,
+            allocation,
+            chunk,
+            id=f"{arch}-{name}-{allocation}-C{chunk}",
+            marks=[pytest.mark.slow] * (not fast),
+        )
+
+
+@pytest.mark.parametrize(("arch", "name", "params", "allocation", "chunk"), allocation_matrix())
+def test_allocation_matches_reference(tiny_models, streams, arch, name, params, allocation, chunk):
+    tokens = distinct_stream() if ranks_keys(name) else streams[arch]
+    check_against_reference(
+        tiny_models[arch], tokens, arch, name, params, chunk, "original", "head", allocation
+    )
+
+
+@pytest.mark.parametrize(("name", "params"), [("h2o", {}), ("rmm", {"lag": 2})])
+def test_pyramid_with_layer_scope_matches_reference(tiny_models, streams, name, params):
+    sets = check_against_reference(
+        tiny_models["llama"], streams["llama"], "llama", name, params, 2, "original", "layer", "pyramid"
+    )
+    assert all(head == layer[0] for engine_set in sets.values() for layer in engine_set for head in layer)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "allocation"),
+    [
+        ("h2o", {}, "adaptive"),
+        ("h2o", {}, "pyramid"),
+        ("knorm", {}, "adaptive"),
+        ("knorm", {}, "pyramid"),
+        ("rmm", {"lag": 3}, "pyramid"),  # (adaptive happens to keep uniform's sets on this stream)
+    ],
+)
+def test_allocations_keep_other_sets_than_uniform(tiny_models, streams, name, params, allocation):
+    """Each allocation changes what is kept, with sets of other sizes than B' per head."""
+    model = tiny_models["llama"]
+    tokens = distinct_stream() if ranks_keys(name) else streams["llama"]
+    _, uniform = retained_sets(model, tokens, name, params, chunk=1)
+    _, other = retained_sets(model, tokens, name, params, chunk=1, allocation=allocation)
+    assert other != uniform
+    sizes = {len(head) for sets in other.values() for layer in sets for head in layer}
+    assert max(sizes) > BUDGET, f"{allocation} should let some head hold more than B' entries"
+
+
+@pytest.mark.parametrize("allocation", ["uniform", *ALLOCATIONS])
+@pytest.mark.parametrize(
+    ("n_layers", "n_heads", "budget", "chunk", "protected"),
+    [
+        (2, 2, 8, 1, 4),
+        (2, 2, 8, 4, 2),
+        (30, 3, 64, 16, 24),
+        (24, 8, 128, 64, 0),
+        (1, 4, 16, 1, 3),
+        (7, 5, 33, 5, 0),
+    ],
+)
+def test_allocations_hold_equal_kv_entries(allocation, n_layers, n_heads, budget, chunk, protected):
+    """At equal B every allocation gives the same total capacity, L * H * B' entries (hence equal KV bytes),
+    and the memory's R is the largest per-head capacity."""
+    from rmm.policies.select import adaptive_floor, capacities, retained_slots
+
+    capacity = budget - chunk + 1
+    caps = capacities(allocation, capacity, protected, n_layers, n_heads)
+    assert int(caps.sum()) == n_layers * n_heads * capacity
+    assert int(caps.min()) > protected
+    retained = retained_slots(allocation, capacity, protected, n_layers, n_heads)
+    if allocation == "adaptive":
+        floor = adaptive_floor(capacity)
+        # a head's largest share: its floor plus every other slot of the layer beyond the floors
+        assert retained == floor + n_heads * (capacity - floor)
+    else:
+        assert retained == int(caps.max())
+    if allocation == "pyramid" and n_layers > 1:
+        assert caps[:, 0].tolist() == sorted(caps[:, 0].tolist(), reverse=True)
+
+
+def test_adaptive_keeps_the_layer_total(tiny_models, streams):
+    """Adaptive: per layer exactly H * B' entries once the memory is full, at least f per head."""
+    from rmm.policies.select import adaptive_floor
+
+    model, tokens, chunk = tiny_models["llama"], streams["llama"], 4
+    capacity = BUDGET - chunk + 1
+    _, sets = retained_sets(model, tokens, "h2o", {}, chunk=chunk, allocation="adaptive")
+    full = [now for now in sets if now >= 2 * BUDGET]
+    assert full
+    for now in full:
+        for layer in sets[now]:
+            assert sum(len(head) for head in layer) == len(layer) * capacity
+            assert min(len(head) for head in layer) >= adaptive_floor(capacity)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "positions", "scope", "allocation", "fix"),
+    [
+        ("h2o", {}, "cache", "head", "adaptive", "positions=original"),
+        ("h2o", {}, "cache", "head", "pyramid", "positions=original"),
+        ("h2o", {}, "original", "layer", "adaptive", "scope=head"),
+        ("h2o", {}, "original", "global", "adaptive", "scope=head"),
+        ("h2o", {}, "original", "global", "pyramid", "scope=head|layer"),
+        ("window", {}, "original", "head", "pyramid", "allocation=uniform"),
+        ("streaming_llm", {"sinks": 2}, "original", "head", "adaptive", "allocation=uniform"),
+        ("full", {}, "original", "head", "adaptive", "allocation=uniform"),
+        ("h2o", {}, "original", "head", "ada", "allocation must be one of"),
+    ],
+)
+def test_bad_allocations_are_refused(tiny_models, name, params, positions, scope, allocation, fix):
+    budget = None if name == "full" else BUDGET
+    policy = make_policy({"name": name, **params}, budget=budget, chunk=4)
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        StreamingEngine(tiny_models["llama"], policy, positions=positions, scope=scope, allocation=allocation)
+
+
+def test_allocation_rules_agree_with_the_reference():
+    """The engine's capacities and floor against the reference's own integer rules, over many shapes."""
+    from rmm import reference as ref
+    from rmm.policies.select import adaptive_floor, pyramid_capacities
+
+    for capacity in range(1, 300):
+        floor = adaptive_floor(capacity)
+        assert floor == -(-capacity // 5) and 5 * floor >= capacity > 5 * (floor - 1)
+        for n_layers in (1, 2, 3, 7, 24, 32):
+            for protected in {0, capacity // 4, capacity // 2, capacity - 1}:
+                caps = pyramid_capacities(capacity, protected, n_layers)
+                assert caps == ref._pyramid(capacity, protected, n_layers)
+                assert sum(caps) == n_layers * capacity and min(caps) > protected
+                assert caps == sorted(caps, reverse=True)

@@ -4,6 +4,12 @@ A score-based policy's scores [L, H, S] go through :func:`select` (shared over h
 ``scope``, then the ``capacity`` best valid slots kept, ties to the more recent position); a position
 rule keeps what it allows the next query to see (:func:`rule_keep`). Both return a keep mask [L, H, S]
 that the engine hands to :meth:`rmm.memory.SlotMemory.compact`.
+
+Budget allocation (``allocation``, docs/semantics.md): :func:`capacities` gives every (layer, KV head)
+its capacity [L, H] once per stream (``uniform``: B' everywhere; ``pyramid``: c_l falling with depth);
+``adaptive`` keeps a floor f per head (:func:`adaptive_floor`) and lets a layer's heads compete for
+the rest of the layer's slots (``floor`` of :func:`select`). :func:`retained_slots` is the memory's R,
+the largest number of entries one head can hold.
 """
 
 from __future__ import annotations
@@ -13,24 +19,97 @@ from collections.abc import Callable
 import torch
 
 SCOPES = ("head", "layer", "global")  # as rmm.config.SCOPES, which checks configs without torch
+ALLOCATIONS = ("uniform", "adaptive", "pyramid")  # as rmm.config.ALLOCATIONS
 
 
 def select(
     scores: torch.Tensor,
     key_pos: torch.Tensor,
     valid: torch.Tensor,
-    capacity: int,
+    capacity: int | torch.Tensor,
     scope: str = "head",
     reduce: str = "sum",
+    floor: int | None = None,
 ) -> torch.Tensor:
     """Keep mask [L, H, S]: the ``capacity`` best-ranked valid slots of ``scores`` [L, H, S].
 
     key_pos : [L, H, S] original positions; valid : [L, H, S] bool, the slots that hold an entry.
+    capacity : B' for every (layer, head), or per (layer, head) [L, H] (:func:`capacities`).
     scope, reduce : how scores combine over heads (``layer``) or layers and heads (``global``):
         the policy's ``scope_reduce``, ``sum`` or ``max``.
+    floor : adaptive allocation (scope head): each head keeps its ``floor`` best, then the layer's
+        remaining sum_h (capacity - floor) slots go to the best other valid slots of all its heads
+        (higher score, then more recent position, then lower head index).
     """
     shared = share(scores.float(), scope, reduce)
-    return valid & (rank(shared, key_pos, valid) < capacity)
+    ranks = rank(shared, key_pos, valid)
+    if isinstance(capacity, torch.Tensor):
+        capacity = capacity.to(ranks.device)[..., None]
+    if floor is None:
+        return valid & (ranks < capacity)
+    return valid & ((ranks < floor) | _layer_best(shared, key_pos, valid & (ranks >= floor), capacity, floor))
+
+
+def _layer_best(
+    scores: torch.Tensor,
+    key_pos: torch.Tensor,
+    eligible: torch.Tensor,
+    capacity: int | torch.Tensor,
+    floor: int,
+) -> torch.Tensor:
+    """Mask [L, H, S] of the best ``sum_h (capacity - floor)`` ``eligible`` slots of each layer, compared
+    across its heads: higher score, then more recent position, then lower head index."""
+    n_layers, n_heads, n_slots = scores.shape
+    per_head = torch.as_tensor(capacity, device=scores.device).expand(n_layers, n_heads, 1)
+    room = (per_head - floor).sum(dim=(1, 2))
+    flat = lambda x: x.reshape(n_layers, n_heads * n_slots)  # noqa: E731 (head-major: lower heads first)
+    order = torch.arange(n_heads * n_slots, device=scores.device).expand(n_layers, -1)
+    for key in (flat(key_pos), flat(scores), flat(eligible).to(torch.int8)):  # least significant first
+        step = torch.argsort(torch.gather(key, -1, order), dim=-1, descending=True, stable=True)
+        order = torch.gather(order, -1, step)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return flat(eligible).logical_and(ranks < room[:, None]).reshape(n_layers, n_heads, n_slots)
+
+
+def adaptive_floor(capacity: int) -> int:
+    """f = ceil(0.2 B'): the entries every head keeps under ``adaptive`` allocation (in integers, so
+    that no float rounding can decide it)."""
+    return -(-capacity // 5)
+
+
+def pyramid_capacities(capacity: int, protected: int, n_layers: int) -> list[int]:
+    """c_l, l = 0..L-1: c_{L-1} = max(ceil(B'/4), protected + 1), c_0 = 2 B' - c_{L-1}, the layers between
+    linearly interpolated and rounded down, then the residue L B' - sum given one slot each to the layers
+    0, 1, 2, ..., so that sum_l c_l = L B'. One layer keeps B'."""
+    if n_layers == 1:
+        return [capacity]
+    last = max(-(-capacity // 4), protected + 1)
+    first = 2 * capacity - last
+    steps = n_layers - 1
+    caps = [first] + [(first * steps + (last - first) * layer) // steps for layer in range(1, steps)] + [last]
+    for layer in range(n_layers * capacity - sum(caps)):
+        caps[layer] += 1
+    return caps
+
+
+def capacities(allocation: str, capacity: int, protected: int, n_layers: int, n_heads: int) -> torch.Tensor:
+    """Capacity [L, H] long of every (layer, KV head): B' (``uniform`` and ``adaptive``, whose per-head
+    counts are decided jointly at each boundary) or the pyramid's c_l."""
+    if allocation == "pyramid":
+        caps = torch.tensor(pyramid_capacities(capacity, protected, n_layers), dtype=torch.long)
+        return caps[:, None].expand(n_layers, n_heads).clone()
+    return torch.full((n_layers, n_heads), capacity, dtype=torch.long)
+
+
+def retained_slots(allocation: str, capacity: int, protected: int, n_layers: int, n_heads: int) -> int:
+    """R: the most entries one (layer, head) can hold across a boundary under ``allocation``
+    (adaptive: B' + (H - 1)(B' - f); pyramid: c_0; uniform: B')."""
+    if allocation == "adaptive":
+        return capacity + (n_heads - 1) * (capacity - adaptive_floor(capacity))
+    if allocation == "pyramid":
+        return pyramid_capacities(capacity, protected, n_layers)[0]
+    return capacity
 
 
 def rule_keep(
@@ -67,3 +146,37 @@ def rank(scores: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor) -> to
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return ranks
+
+
+def check_allocation(allocation: str, scope: str, positions: str, policy: str, per_query: bool) -> None:
+    """Refuse a budget allocation that does not apply: raises ValueError naming the fix.
+
+    ``uniform`` always applies. ``adaptive`` needs scope=head, ``pyramid`` scope head or layer; both need
+    positions=original (under ``cache`` different per-head counts would need per-head query ranks) and
+    a score-based policy (a position rule, ``per_query``, keeps by position and has nothing to allocate).
+    """
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+    if allocation == "uniform":
+        return
+    if per_query:
+        raise ValueError(
+            f"allocation={allocation} does not apply to the position rule {policy!r} (it keeps by position, "
+            "with no scores to allocate): use allocation=uniform, or a score-based policy"
+        )
+    if positions != "original":
+        raise ValueError(
+            f"allocation={allocation} needs positions=original (under positions={positions} heads holding "
+            "different numbers of entries would need per-head query ranks): set positions=original, or "
+            "allocation=uniform"
+        )
+    if allocation == "adaptive" and scope != "head":
+        raise ValueError(
+            f"allocation=adaptive lets a layer's heads compete for the layer's slots, so it needs "
+            f"scope=head, got scope={scope}: set scope=head, or allocation=uniform|pyramid"
+        )
+    if allocation == "pyramid" and scope == "global":
+        raise ValueError(
+            "allocation=pyramid gives each layer its own budget, so it needs scope=head or scope=layer, "
+            "got scope=global: set scope=head|layer, or allocation=uniform"
+        )
