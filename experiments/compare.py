@@ -59,6 +59,7 @@ SETTING_COLUMNS = [
     "scope",
     "seed",
     "dtype",
+    "allocation",
 ]
 PARAM_EXCLUDE = ("policy.name", "policy.tag")
 
