@@ -94,3 +94,41 @@ def test_import_rmm_is_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow  # SmolLM2 through run.py in a subprocess, and in this process through rmm.evaluate
+def test_evaluate_equals_run_py_on_smollm2(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from rmm.data import load_documents
+    from rmm.models import load_model
+
+    overrides = [
+        "dataset.n_docs=2",
+        "dataset.max_tokens=160",
+        "policy=rmm",
+        "lag=16",
+        "budget=64",
+        "chunk=16",
+        "positions=cache",
+        "wandb.mode=disabled",
+        "progress=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    subprocess.run(
+        [sys.executable, "run.py", *overrides], cwd=ROOT, check=True, capture_output=True, timeout=600
+    )
+    model, tokenizer = load_model(
+        OmegaConf.load(ROOT / "conf/model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+    )
+    data = OmegaConf.merge(
+        OmegaConf.load(ROOT / "conf/dataset/shakespeare.yaml"), {"n_docs": 2, "max_tokens": 160}
+    )
+    docs, _ = load_documents(data, tokenizer)
+    ours = rmm.evaluate(model, documents=docs, policy="rmm", lag=16, budget=64, chunk=16, positions="cache")
+    stored = read_tokens(tmp_path / "run")
+    assert stored[["doc_id", "position", "token_id"]].equals(ours.tokens[["doc_id", "position", "token_id"]])
+    expected = stored["nll"].dropna().to_numpy()
+    got = ours.tokens["nll"].dropna().to_numpy()
+    assert abs(expected - got).max() <= 1e-6
+    assert read_metrics(tmp_path / "run")["ppl"] == pytest.approx(ours.ppl, rel=1e-6)
