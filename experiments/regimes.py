@@ -203,8 +203,8 @@ def cells_markdown(table: pd.DataFrame) -> str:
                 )
             else:
                 interval = f"[{row['ratio_ci_low']:.2f}, {row['ratio_ci_high']:.2f}]{mark}"
-                seeds = f"{row['seeds_b_better']}/{row['n_seeds']} seeds"
-                wins = f"{seeds}, {row['docs_b_better']}/{row['n_docs']} streams"
+                seeds = f"{int(row['seeds_b_better'])}/{int(row['n_seeds'])} seeds"
+                wins = f"{seeds}, {int(row['docs_b_better'])}/{int(row['n_docs'])} streams"
                 lines.append(f"- {row['comparison']}: {row['ratio']:.2f} {interval}, b better in {wins}")
         lines.append("")
     return "\n".join(lines)
