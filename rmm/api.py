@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,6 @@ def evaluate(
     max_tokens: int | None = None,
     oracle_tau: float = 0.02,
     oracle_context: int | None = None,
-    progress: bool = False,
     **policy_params: Any,
 ) -> Evaluation:
     """Stream documents through ``model`` under a bounded KV memory and score every next-token prediction.
@@ -121,11 +120,7 @@ def evaluate(
     memory = PeakMemory(device)
     totals = stream_documents(engine, docs, reference, on_chunk=lambda totals, doc: _sampler(memory))
     tokens = pd.concat(totals.token_frames, ignore_index=True)
-    metrics = {
-        **summarize(totals),
-        **segment_metrics(tokens),
-        **stream_fields(engine, dims, longest, memory, reference),
-    }
+    metrics = stream_metrics(engine, totals, tokens, dims, longest, memory, reference)
     config = {
         "policy": {"name": policy.name, **_policy_parameters(policy)},
         "budget": policy.budget,
@@ -183,14 +178,22 @@ def stream_documents(
     return totals
 
 
-def stream_fields(
-    engine: StreamingEngine, dims: dict, longest: int, memory: PeakMemory, reference: ReferenceRunner | None
+def stream_metrics(
+    engine: StreamingEngine,
+    totals: RunTotals,
+    tokens: pd.DataFrame,
+    dims: dict,
+    longest: int,
+    memory: PeakMemory,
+    reference: ReferenceRunner | None,
 ) -> dict[str, Any]:
-    """The metrics a stream gives beside :func:`rmm.metrics.summarize`: memory, KV bytes, the
-    reference pass's settings and the policy's own fields."""
+    """The metrics of streamed documents: :func:`rmm.metrics.summarize`, the per-segment results of
+    ``tokens``, memory, KV bytes, the reference pass's settings and the policy's own fields."""
     policy = engine.policy
     budget = policy.budget if policy.budget is not None else longest
     return {
+        **summarize(totals),
+        **segment_metrics(tokens),
         "peak_memory_bytes": memory.bytes(),
         "kv_cache_bytes": kv_cache_bytes(
             budget, dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], engine.dtype
@@ -275,8 +278,6 @@ def _documents(
 
 def _policy_parameters(policy: Policy) -> dict[str, Any]:
     """The policy's dataclass fields other than budget and chunk (its config parameters)."""
-    from dataclasses import fields
-
     return {
         f.name: getattr(policy, f.name)
         for f in fields(policy)

@@ -18,7 +18,7 @@ from rmm import api
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
-from rmm.metrics import PeakMemory, RunTotals, segment_metrics, summarize
+from rmm.metrics import PeakMemory, RunTotals
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import Policy, make_policy
 from rmm.policies.select import SCOPES
@@ -138,10 +138,8 @@ def run_metrics(
 ) -> dict[str, Any]:
     """metrics.json, less the policy's and dataset's parameters and the environment."""
     return {
-        **summarize(totals),
-        **segment_metrics(tokens),
+        **api.stream_metrics(engine, totals, tokens, setup.dims, setup.longest, memory, setup.reference),
         "n_skipped_short": setup.data_stats.n_skipped_short,
-        **api.stream_fields(engine, setup.dims, setup.longest, memory, setup.reference),
         "model": cfg.model.name,
         "dataset": cfg.dataset.name,
         "seed": cfg.seed,
