@@ -26,8 +26,8 @@ from unittest import mock
 
 import torch
 from omegaconf import OmegaConf
-from transformers import DynamicCache
 
+from experiments.yardsticks import plain_forward, token_loop
 from rmm import recording
 from rmm.data import load_documents
 from rmm.engine import StreamingEngine
@@ -71,30 +71,6 @@ def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
-
-
-@torch.no_grad()
-def token_loop(model, tokens: torch.Tensor, budget: int, sinks: int) -> torch.Tensor:
-    """StreamingLLM-style evaluation: decode one token at a time, keep sinks + the last B - sinks."""
-    model.set_attn_implementation("sdpa")
-    cache = DynamicCache()
-    nll = torch.empty(tokens.numel() - 1)
-    for t in range(tokens.numel() - 1):
-        out = model(tokens[None, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
-        nll[t] = -torch.log_softmax(out.logits[0, -1].float(), -1)[tokens[t + 1]]
-        for layer in out.past_key_values.layers:
-            if layer.keys.shape[-2] > budget:
-                keep = lambda x: torch.cat([x[..., :sinks, :], x[..., -(budget - sinks) :, :]], dim=-2)  # noqa: E731
-                layer.keys, layer.values = keep(layer.keys), keep(layer.values)
-        cache = out.past_key_values
-    return nll
-
-
-@torch.no_grad()
-def plain_forward(model, tokens: torch.Tensor, window: int) -> None:
-    model.set_attn_implementation("sdpa")
-    for start in range(0, tokens.numel(), window):
-        model(tokens[None, start : start + window], use_cache=False)
 
 
 def load_tokens(tokenizer, n: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from experiments.policy_table import policy_label, policy_sort_key
 from rmm.bootstrap import BLOCK, N_RESAMPLES, nll_interval
 from rmm.files import atomic_write_text
 from rmm.storage import CONFIG_FILE, METRICS_FILE, TOKENS_FILE, read_metrics, read_tokens, run_is_complete
@@ -39,22 +40,6 @@ ID_COLUMNS = [
     "seed",
 ]
 SORT_COLUMNS = [*ID_COLUMNS[1:], "run_dir"]
-POLICY_ORDER = [
-    "full",
-    "window",
-    "streaming_llm",
-    "random",
-    "knorm",
-    "keydiff",
-    "lagkv",
-    "tova",
-    "snapkv",
-    "lru",
-    "h2o",
-    "observed_attention",
-    "rmm",
-    "oracle",
-]
 # Columns that tell apart configurations of one policy within a model/dataset besides ``policy.*``.
 VARIANT_COLUMNS = ["chunk", "positions", "scope", "allocation"]
 PARAM_EXCLUDE = ("policy.name", "policy.tag")
@@ -167,11 +152,6 @@ def load_runs(csv: str | Path) -> pd.DataFrame:
     return frame
 
 
-def policy_sort_key(policy: str) -> tuple[int, str]:
-    """Order policies as in the paper tables, unknown ones last (alphabetically)."""
-    return (POLICY_ORDER.index(policy) if policy in POLICY_ORDER else len(POLICY_ORDER), policy)
-
-
 def _format_value(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
@@ -184,10 +164,10 @@ def with_labels(frame: pd.DataFrame) -> pd.DataFrame:
     E.g. ``rmm (lag=16, weight=prob)``; a policy run in a single configuration is labelled by its name.
     """
     frame = frame.copy()
-    frame["label"] = frame["policy"].astype(str)
+    frame["label"] = frame["policy"].astype(str).map(policy_label)
     candidates = [c for c in frame.columns if c.startswith("policy.") and c not in PARAM_EXCLUDE]
     candidates += [c for c in VARIANT_COLUMNS if c in frame.columns]
-    for _policy, group in frame.groupby("policy", sort=False):
+    for policy, group in frame.groupby("policy", sort=False):
         varying = [c for c in candidates if group[c].nunique(dropna=True) > 1]
         if not varying:
             continue
@@ -197,7 +177,7 @@ def with_labels(frame: pd.DataFrame) -> pd.DataFrame:
             ),
             axis=1,
         )
-        frame.loc[group.index, "label"] = group["policy"].astype(str) + " (" + parts + ")"
+        frame.loc[group.index, "label"] = policy_label(str(policy)) + " (" + parts + ")"
     return frame
 
 

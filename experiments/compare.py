@@ -34,7 +34,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from experiments.collect import collect, load_runs, policy_sort_key, with_labels
+from experiments.collect import collect, load_runs, with_labels
+from experiments.policy_table import policy_sort_key
 from rmm.bootstrap import (
     BLOCK,
     CONFIDENCE,

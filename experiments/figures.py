@@ -24,23 +24,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
-from experiments.collect import load_runs, policy_sort_key, with_labels
+from experiments.collect import load_runs, with_labels
 from experiments.compare import compare_runs
+from experiments.policy_table import WEIGHT_COLORS, policy_color, policy_sort_key
 from rmm.storage import read_tokens
 from rmm.tracking import position_perplexity
 
 SETTING_COLUMNS = ("model", "dataset", "device", "dtype")
-POLICY_COLORS = {
-    "full": "black",
-    "window": "tab:gray",
-    "streaming_llm": "tab:blue",
-    "random": "tab:olive",
-    "tova": "tab:purple",
-    "h2o": "tab:orange",
-    "rmm": "tab:red",
-    "oracle": "tab:green",
-}
-WEIGHT_COLORS = {"correct": "tab:red", "prob": "tab:blue", "uniform": "tab:gray", "gradient": "tab:brown"}
 COMMIT_STYLES = {"accumulate": "-", "freeze": "--"}
 
 
@@ -106,7 +96,7 @@ def _label_colors(labelled: pd.DataFrame) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for policy, group in labelled.groupby("policy"):
         labels = sorted(group["label"].unique(), key=_natural_key)
-        base = POLICY_COLORS.get(str(policy), "tab:brown")
+        base = policy_color(str(policy))
         result.update(zip(labels, _shades(base, len(labels)), strict=True))
     return result
 
@@ -307,7 +297,7 @@ def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = 
         weight = values.get("policy.weight")
         commit = values.get("policy.after_commit")
         label = f"rmm weight={weight}" + (f", {commit}" if show_commit else "")
-        color = WEIGHT_COLORS.get(str(weight), "tab:red")
+        color = WEIGHT_COLORS.get(str(weight), policy_color("rmm"))
         ax.plot(
             line["lag"],
             line["ppl"],
@@ -392,7 +382,7 @@ def cumulative_ppl(
     ordered = sorted(curves, key=lambda lab: (policy_sort_key(curves[lab][0]), lab))
     for i, label in enumerate(ordered):
         policy, curve, runs = curves[label]
-        color = POLICY_COLORS.get(policy, "tab:brown")
+        color = policy_color(policy)
         ax.plot(
             curve["position_bin_end"],
             curve["cum_ppl"],
@@ -497,7 +487,7 @@ def measure_vs_accumulate(
     gaps[["gap_low", "gap_high"]] = bounds
     fig, (ax,) = _new_figure()
     lags = sorted(gaps["lag"].unique())
-    for lag, color in zip(lags, _shades(POLICY_COLORS["rmm"], len(lags)), strict=True):
+    for lag, color in zip(lags, _shades(policy_color("rmm"), len(lags)), strict=True):
         line = gaps[gaps["lag"] == lag].sort_values("budget")
         ax.plot(line["budget"], line["gap"], marker="o", color=color, label=f"rmm − h2o, lag={lag:g}")
         _band(ax, line["budget"], line["gap_low"], line["gap_high"], color)

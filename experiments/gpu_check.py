@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import platform
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -36,101 +34,26 @@ import pandas as pd
 import torch
 import transformers
 import yaml
-from transformers import (
-    AutoModelForCausalLM,
-    DynamicCache,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from experiments.yardsticks import plain_forward, token_loop
 from rmm.engine import StreamingEngine
+from rmm.files import atomic_write_text
 from rmm.integration import cache_keyword
 from rmm.lookahead import record_future
+from rmm.matrix import ARCHITECTURES, CASES, case_id, distinct_stream, ranks_keys, sampled_stream, tiny_model
 from rmm.models import config_from_architecture
-from rmm.policies import POLICIES, make_policy
+from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEED_ARCHITECTURE = ROOT / "conf" / "model" / "llama3_1_8b.yaml"
 
-# ---- the reference matrix (the same models and policy cases as the test suite) ---------------------
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=61,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-)
-ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
-}
-SPECIFIC = {"mistral": {"sliding_window": None}, "gpt_neox": {"rotary_pct": 0.5}}
-CASES = [
-    ("full", {}),
-    ("window", {}),
-    ("streaming_llm", {"sinks": 2}),
-    ("h2o", {}),
-    ("h2o", {"rho": 0.0}),
-    ("rmm", {"lag": 3}),
-    ("rmm", {"lag": 3, "weight": "prob"}),
-    ("rmm", {"lag": 3, "weight": "uniform"}),
-    ("rmm", {"lag": 3, "after_commit": "freeze"}),
-    ("rmm", {"lag": 4, "weight": "prob", "after_commit": "freeze"}),
-    ("rmm", {"lag": 0, "weight": "uniform", "after_commit": "freeze"}),
-    ("tova", {}),
-    ("random", {}),
-    ("oracle", {}),
-    ("oracle", {"variant": "future_mass"}),
-    ("observed_attention", {}),
-    ("snapkv", {"window": 2, "kernel": 3, "pooling": "avg"}),
-    ("knorm", {}),
-    ("keydiff", {}),
-    ("lru", {}),
-    ("lagkv", {"partition": 3, "sinks": 1}),
-]
+# ---- the reference matrix (rmm/matrix.py: the test suite's models and policy cases) -----------------
 MATRIX_BUDGET = 12
 MATRIX_TOKENS = 48
 SMALL_MATRIX_TOKENS = 24
 FP32_NLL_ATOL = 1e-4  # fp32 engine vs fp32 reference, per token (what the CPU test suite requires)
-
-
-def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
-    """A small random causal LM whose attention is peaked enough for eviction to matter (CPU, fp32)."""
-    config_cls, model_cls = ARCHITECTURES[arch]
-    torch.manual_seed(seed)
-    settings = {**TINY, **SPECIFIC.get(arch, {}), **overrides}
-    if arch == "gpt_neox":
-        del settings["num_key_value_heads"]
-    return model_cls(config_cls(**settings)).eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def sampled_stream(model: PreTrainedModel, n: int, seed: int = 1, follow: float = 0.5) -> torch.Tensor:
-    """A stream [n] the model partly predicts: each next token is the model's argmax with probability
-    ``follow``, else uniformly random (so correctness-weighted policies see both outcomes)."""
-    model.set_attn_implementation("sdpa")
-    generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    tokens = [int(torch.randint(vocab, (1,), generator=generator))]
-    for _ in range(n - 1):
-        if float(torch.rand(1, generator=generator)) < follow:
-            tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
-        else:
-            tokens.append(int(torch.randint(vocab, (1,), generator=generator)))
-    return torch.tensor(tokens)
 
 
 def matrix_cases(archs: list[str], every_case: bool = True) -> list[tuple[str, str, dict, int, str]]:
@@ -198,8 +121,8 @@ def reference_matrix(
             models[arch] = tiny_model(arch)
             streams[arch] = sampled_stream(models[arch], n_tokens)
         reference_model, tokens = models[arch], streams[arch]
-        if "keys" in POLICIES[name].needs:  # equal keys of a repeated token tie; rounding would decide
-            tokens = torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(1))[:n_tokens]
+        if ranks_keys(name):  # scores, not the tie rule, are compared (see distinct_stream)
+            tokens = distinct_stream(n_tokens)
         spec = ReferenceSpec(policy=name, budget=MATRIX_BUDGET, chunk=chunk, positions=positions, **params)
         ref_nll, ref_correct = reference_stream(reference_model, tokens, spec)
         for dtype in dtypes:
@@ -208,7 +131,7 @@ def reference_matrix(
             model = engine_models[arch, dtype]
             result, sets = engine_run(model, tokens.to(device), name, params, chunk, positions)
             row = compare(result, sets, ref_nll, ref_correct, spec.retained_log)
-            case = f"{name}-{'-'.join(map(str, params.values()))}".rstrip("-")
+            case = case_id(name, params).rstrip("-")
             rows.append({"arch": arch, "case": case, "policy": name, "chunk": chunk, "positions": positions})
             rows[-1] |= {"dtype": str(dtype).removeprefix("torch."), **row}
     return pd.DataFrame(rows)
@@ -281,42 +204,6 @@ def peak_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
-@torch.no_grad()
-def token_loop(model: PreTrainedModel, tokens: torch.Tensor, budget: int, sinks: int = 4) -> torch.Tensor:
-    """StreamingLLM-style evaluation: one token per forward, the cache cut to sinks + the last B - sinks."""
-    model.set_attn_implementation("sdpa")
-    keyword = cache_keyword(model)
-    cache = DynamicCache()
-    nll = torch.empty(tokens.numel() - 1, device=tokens.device)
-    positions = torch.arange(tokens.numel(), device=tokens.device)
-    for t in range(tokens.numel() - 1):
-        out = model(
-            tokens[None, t : t + 1],
-            position_ids=positions[None, t : t + 1],
-            use_cache=True,
-            **{keyword: cache},
-        )
-        nll[t] = -torch.log_softmax(out.logits[0, -1].float(), -1)[tokens[t + 1]]
-        for layer in out.past_key_values.layers:
-            if layer.keys.shape[-2] > budget:
-                layer.keys = torch.cat(
-                    [layer.keys[..., :sinks, :], layer.keys[..., -(budget - sinks) :, :]], -2
-                )
-                layer.values = torch.cat(
-                    [layer.values[..., :sinks, :], layer.values[..., -(budget - sinks) :, :]], -2
-                )
-        cache = out.past_key_values
-    return nll
-
-
-@torch.no_grad()
-def plain_forward(model: PreTrainedModel, tokens: torch.Tensor, window: int) -> None:
-    """Plain forward passes (SDPA) over consecutive ``window``-token windows of ``tokens``."""
-    model.set_attn_implementation("sdpa")
-    for start in range(0, tokens.numel(), window):
-        model(tokens[None, start : start + window], use_cache=False)
-
-
 SPEED_POLICIES = [  # rmm's lag is B / 32 (64 at B = 2048)
     ("window", {}, "original"),
     ("streaming_llm", {}, "cache"),
@@ -371,16 +258,6 @@ def speed(device: torch.device, small: bool, chunk: int) -> dict[str, Any]:
 
 
 # ---- driver ----------------------------------------------------------------------------------------
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def environment(device: torch.device) -> dict[str, Any]:
     return {
         "device": str(device),
@@ -432,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["wall_s"] = time.perf_counter() - start
         summary["sections"][section] = result
         summary["wall_s"] = time.perf_counter() - started
-        write_json(args.out, summary)
+        atomic_write_text(args.out, json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return summary
 

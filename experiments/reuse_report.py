@@ -28,8 +28,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from experiments.collect import collect, load_runs, policy_sort_key, with_labels, write_csv
+from experiments.collect import collect, load_runs, with_labels, write_csv
 from experiments.compare import _natural, compare_sweep, comparison_table
+from experiments.policy_table import WEIGHT_COLORS, policy_color, policy_sort_key
 from rmm.bootstrap import doc_sizes, mean_interval, scored_tokens
 from rmm.storage import atomic_write_text, read_tokens
 
@@ -37,8 +38,7 @@ log = logging.getLogger(__name__)
 
 SETTING = ["dataset.n_records", "dataset.n_decoys", "dataset.echo_gap", "dataset.recall_gap"]
 MAIN = {"dataset.n_decoys": 4, "dataset.recall_gap": 192}  # the setting of reuse_cpu_refs, _rmm, _lags
-REFERENCES = {"full": "black", "window": "tab:gray", "h2o": "tab:blue", "oracle": "tab:green"}
-WEIGHT_COLORS = {"correct": "tab:red", "prob": "tab:orange", "uniform": "tab:purple", "gradient": "tab:brown"}
+REFERENCES = ("full", "window", "h2o", "oracle")  # horizontal lines in the recall figures
 
 
 def recall_intervals(frame: pd.DataFrame) -> pd.DataFrame:
@@ -139,7 +139,8 @@ def _errorbar(ax: plt.Axes, x: Any, rows: pd.DataFrame, **style: Any) -> None:
 
 
 def _reference_lines(ax: plt.Axes, group: pd.DataFrame, budget: float) -> None:
-    for policy, color in REFERENCES.items():
+    for policy in REFERENCES:
+        color = policy_color(policy)
         runs = group[(group["policy"] == policy) & ((group["budget"] == budget) | (policy == "full"))]
         if runs.empty:
             continue
@@ -189,9 +190,8 @@ def recall_vs_decoys(frame: pd.DataFrame, out: Path) -> Path | None:
             continue
         lines = lines.sort_values("decoy_fraction")
         policy = lines["policy"].iloc[0]
-        color = REFERENCES.get(policy) or WEIGHT_COLORS.get(
-            lines.get("policy.weight", pd.Series([""])).iloc[0]
-        )
+        weight = lines.get("policy.weight", pd.Series([""])).iloc[0]
+        color = policy_color(policy) if policy in REFERENCES else WEIGHT_COLORS.get(weight)
         style = {
             "linestyle": ":" if lines.get("policy.after_commit", pd.Series([""])).iloc[0] == "freeze" else "-"
         }

@@ -29,7 +29,7 @@ from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
 from rmm.memory import SlotMemory
 from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model
-from rmm.policies import Observation, Policy, make_policy
+from rmm.policies import Observation, Policy, ScorePolicy, make_policy
 from rmm.storage import write_run
 
 # (totals so far, the document about to stream) -> the engine's per-chunk hook for that document
@@ -163,7 +163,7 @@ def stream_documents(
     """
     policy = engine.policy
     totals = RunTotals()
-    estimating = estimator and not policy.per_query
+    estimating = estimator and isinstance(policy, ScorePolicy)
     for doc in docs:
         policy.prepare(doc.tokens, reference or no_reference_pass)
         hook = _estimator_hook(policy, reference(doc.tokens), totals.estimator_pairs) if estimating else None

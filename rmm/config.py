@@ -137,7 +137,7 @@ def check_run(cfg: Mapping[str, Any]) -> None:
     check_dataset(cfg["dataset"])
     policy = make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])
     allocation = cfg.get("allocation", "uniform")
-    check_allocation(allocation, cfg["scope"], cfg["positions"], policy.name, policy.per_query)
+    check_allocation(allocation, cfg["scope"], cfg["positions"], policy)
 
 
 register_resolvers()

@@ -68,7 +68,7 @@ class StreamingEngine:
     ):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-        check_allocation(allocation, scope, positions, policy.name, policy.per_query)
+        check_allocation(allocation, scope, positions, policy)
         if allocation != "uniform" and policy.budget is None:
             raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
         self.plan = recording_plan(policy, positions)
@@ -82,7 +82,7 @@ class StreamingEngine:
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
         self.capacity: int | torch.Tensor | None = None
         self.floor: int | None = None
-        if policy.budget is not None and not policy.per_query:
+        if policy.budget is not None and self.plan.rule is None:  # a score-based policy
             self.capacity = policy.capacity
             if allocation == "pyramid":
                 self.capacity = capacities(allocation, policy.capacity, policy.protected, *self.shape[:2])

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rmm.policies import Policy
+from rmm.policies import Policy, PositionRule, ScorePolicy
 from rmm.policies.select import retained_slots
 
 POSITIONS = ("original", "cache")  # as rmm.config.POSITIONS, which checks configs without torch
@@ -23,7 +23,7 @@ POSITIONS = ("original", "cache")  # as rmm.config.POSITIONS, which checks confi
 POSITION_RULE_CHUNK = 1024
 
 # a position rule: allowed(query_pos [Q], key_pos [..., S]) -> bool [..., Q, S]
-PositionRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AllowedFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class RecordingPlan:
     state_names : the policy's per-slot statistics [L, H, S], moved with the slots.
     """
 
-    rule: PositionRule | None
+    rule: AllowedFn | None
     capacity: int | None
     decision_chunk: int
     record_attention: bool
@@ -85,15 +85,30 @@ def recording_plan(
     if positions not in POSITIONS:
         raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
     capacity = None if policy.budget is None else policy.capacity
-    if capacity is not None and allocation != "uniform" and not policy.per_query:
+    if isinstance(policy, PositionRule):
+        return RecordingPlan(
+            rule=policy.allowed,
+            capacity=capacity,
+            decision_chunk=policy.chunk,
+            record_attention=False,
+            record_queries=False,
+            raw_keys=False,
+            store_unrotated=False,
+            track_gradient=False,
+            n_sink_slots=policy.sink_positions if positions == "cache" else 0,
+            sink_rank=policy.budget,
+            state_names=(),
+        )
+    if not isinstance(policy, ScorePolicy):
+        raise TypeError(f"{type(policy).__name__} must derive from PositionRule or ScorePolicy")
+    if capacity is not None and allocation != "uniform":
         if shape is None:
             raise ValueError(f"allocation={allocation} needs the model's (n_layers, n_kv_heads)")
         capacity = retained_slots(allocation, capacity, policy.protected, *shape)
-    scoring = not policy.per_query
-    needs = policy.needs if scoring else frozenset()
-    store_unrotated = positions == "cache" and scoring
+    needs = policy.needs
+    store_unrotated = positions == "cache"
     return RecordingPlan(
-        rule=None if scoring else policy.allowed,
+        rule=None,
         capacity=capacity,
         decision_chunk=policy.chunk,
         # the gradient utility is built from the attention probabilities
@@ -102,7 +117,7 @@ def recording_plan(
         raw_keys="keys" in needs and not store_unrotated,
         store_unrotated=store_unrotated,
         track_gradient="gradient" in needs,
-        n_sink_slots=policy.sink_positions if positions == "cache" and not scoring else 0,
+        n_sink_slots=0,
         sink_rank=policy.budget,
         state_names=tuple(policy.state_names),
     )

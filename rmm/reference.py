@@ -27,25 +27,11 @@ In particular it has
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
-
-POSITION_RULES = ("full", "window", "streaming_llm")
-SCORE_POLICIES = (
-    "h2o",
-    "rmm",
-    "tova",
-    "random",
-    "oracle",
-    "observed_attention",
-    "snapkv",
-    "knorm",
-    "keydiff",
-    "lru",
-    "lagkv",
-)
 
 
 @dataclass
@@ -199,12 +185,12 @@ def reference_stream(
     Fills ``spec.retained_log`` (R_t for every query t) and, with ``record_attention``,
     ``spec.attention_log``.
     """
+    if spec.policy not in RULES:
+        raise ValueError(f"reference has no rule for policy {spec.policy!r}")
+    rule = RULES[spec.policy]
     n = tokens.numel()
     n_layers, n_kv, _ = model_shape(model)
     inv_freq = rope_frequencies(model.config) if spec.positions == "cache" else []
-    future = None
-    if spec.policy == "oracle":
-        future = reference_pass(model, tokens, spec.context)
     if spec.allocation == "uniform":
         model.set_attn_implementation("eager")
     else:  # heads may hold different numbers of entries
@@ -212,24 +198,28 @@ def reference_stream(
             raise ValueError("the reference's non-uniform allocations need original positions, no gradient")
         AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
         model.set_attn_implementation(RAGGED_ATTENTION)
-    # per (layer, head): key j -> (key as the model produced it, position it was rotated at), value j
-    keys = [[{} for _ in range(n_kv)] for _ in range(n_layers)]
-    values = [[{} for _ in range(n_kv)] for _ in range(n_layers)]
-    made_at: dict[int, int] = {}
     retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t, sorted position lists
-    utility = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # h2o / rmm accumulated attention
-    last = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # tova: the latest query's attention
-    # what the rules of the other score-based policies read (see _LIST_RULES)
-    seen_by = {
-        "rows": [],  # per query t: [L][H] {j: a_t(j)}
-        "count": [[{} for _ in range(n_kv)] for _ in range(n_layers)],  # j -> queries that saw j
-        "last_use": [[{} for _ in range(n_kv)] for _ in range(n_layers)],  # j -> last s with a_s(j) >= tau
-        "utility": utility,
-        "keys": keys,
-        "values": values,
-        "made_at": made_at,
-        "inv_freq": rope_frequencies(model.config) if spec.policy in ("knorm", "keydiff", "lagkv") else [],
+
+    def per_head() -> list:
+        return [[{} for _ in range(n_kv)] for _ in range(n_layers)]
+
+    # what the rules read: the record of the stream so far
+    record = {
+        "model": model,
+        "tokens": tokens,
+        "rows": [],  # per query t: [L][H] {j: a_t(j)}, GQA group summed
+        "weights": [],  # per query t: {"correct", "prob", "uniform"}
+        "count": per_head(),  # j -> queries that saw j
+        "last_use": per_head(),  # j -> last s with a_s(j) >= tau (or j itself)
+        "attention_sum": per_head(),  # j -> sum of a_s(j) over the queries that saw j
+        "utility": per_head(),  # rmm: j -> its accumulated utility
+        "keys": per_head(),  # j -> key j as the model produced it (at made_at[j])
+        "values": per_head(),
+        "made_at": {},  # j -> the position key j was rotated at by the model
+        "inv_freq": rope_frequencies(model.config) if rule.reads_keys else [],
+        "future": reference_pass(model, tokens, spec.context) if rule.reads_future else None,
     }
+    keys, values, made_at = record["keys"], record["values"], record["made_at"]
     nll, correct = torch.zeros(n - 1), torch.zeros(n - 1, dtype=torch.bool)
     for t in range(n):
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
@@ -256,28 +246,26 @@ def reference_stream(
             weight = {"correct": float(correct[t]), "prob": math.exp(log_probs[tokens[t + 1]].item())}
         else:  # the document's last query has no target
             weight = {"correct": 0.0, "prob": 0.0}
-        weight["uniform"] = 1.0
+        record["weights"].append(weight | {"uniform": 1.0})
         step_attention = []
         for layer in range(n_layers):
             heads = out.attentions[layer][0, :, 0].double()  # [n_heads, m + 1]
             group = heads.shape[0] // n_kv
-            per_head = []
+            rows = []
             for h in range(n_kv):
                 summed = heads[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
                 summed = summed[: len(retained[layer][h])] + summed[-1:]  # without a ragged head's padding
                 seen = dict(zip(retained[layer][h] + [t], summed, strict=True))
-                per_head.append(seen)
-                last[layer][h] = seen
+                rows.append(seen)
+                count, last_use = record["count"][layer][h], record["last_use"][layer][h]
+                attention_sum = record["attention_sum"][layer][h]
                 for j, a in seen.items():
-                    seen_by["count"][layer][h][j] = seen_by["count"][layer][h].get(j, 0) + 1
+                    count[j] = count.get(j, 0) + 1
                     if a >= spec.tau or j == t:
-                        seen_by["last_use"][layer][h][j] = t
-                    if spec.policy in ("h2o", "observed_attention"):
-                        utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a
-                    if spec.policy == "rmm" and spec.weight != "gradient" and _counts(spec, t, j):
-                        utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a * weight[spec.weight]
-            step_attention.append(per_head)
-        seen_by["rows"].append(step_attention)
+                        last_use[j] = t
+                    attention_sum[j] = attention_sum.get(j, 0.0) + a
+            step_attention.append(rows)
+        record["rows"].append(step_attention)
         if record_attention:
             spec.attention_log.append(step_attention)
         for layer in range(n_layers):
@@ -286,26 +274,14 @@ def reference_stream(
         now = t + 1
         if now == n:
             break
-        if spec.policy == "rmm" and spec.weight == "gradient" and now % spec.chunk == 0:
-            start = now - spec.chunk
-            if spec.gradient_loss == "chunk":
-                parts = [(start, now, spec.retained_log[start])]
-            else:  # each query alone, over R plus the chunk's earlier tokens (the chunk-1 computation)
-                parts = [(s, s + 1, spec.retained_log[s]) for s in range(start, now)]
-            for first, stop, kept in parts:
-                gradient = gradient_utility(model, tokens, first, stop, kept, keys, values, made_at, spec)
-                for layer in range(n_layers):
-                    for h in range(n_kv):
-                        for s, row in gradient[layer][h].items():
-                            for j, u in row.items():
-                                if _counts(spec, s, j):
-                                    utility[layer][h][j] = utility[layer][h].get(j, 0.0) + u
-        if spec.policy in POSITION_RULES:
+        if rule.observe is not None:
+            rule.observe(spec, record, t)
+        if rule.visible is not None:
             for layer in range(n_layers):
                 for h in range(n_kv):
-                    retained[layer][h] = [j for j in retained[layer][h] if _visible(spec, now, j)]
+                    retained[layer][h] = [j for j in retained[layer][h] if rule.visible(spec, now, j)]
         elif now % spec.chunk == 0:
-            _decide(spec, retained, now, n, utility, last, future, seen_by)
+            _decide(spec, retained, now, record)
     return nll, correct
 
 
@@ -355,11 +331,6 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
         extra = extra.to(query.dtype).repeat_interleave(group, dim=0)[None, :, None, :]
         attention_mask = extra if attention_mask is None else attention_mask + extra
     return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-
-
-def _counts(spec: ReferenceSpec, s: int, j: int) -> bool:
-    """rmm: does query s add to key j's utility (always, or with ``freeze`` only while s - j <= H)?"""
-    return spec.after_commit == "accumulate" or s - j <= spec.lag
 
 
 def gradient_utility(
@@ -414,29 +385,21 @@ def gradient_utility(
     return utilities
 
 
-def _visible(spec: ReferenceSpec, now: int, j: int) -> bool:
-    """Position rules: may query ``now`` see key ``j``?"""
-    if spec.policy == "full":
-        return True
-    if spec.policy == "window":
-        return j >= now - spec.budget
-    if spec.policy == "streaming_llm":
-        return j < spec.sinks or j >= now - (spec.budget - spec.sinks)
-    raise ValueError(f"reference has no rule for policy {spec.policy!r}")
-
-
-def _decide(spec: ReferenceSpec, retained: list, now: int, n: int, utility, last, future, seen_by) -> None:
+# ---- decisions at a boundary ----------------------------------------------------------------------
+def _decide(spec: ReferenceSpec, retained: list, now: int, record: dict) -> None:
     """At boundary ``now``: keep B' = B - C + 1 of the candidates (R plus the chunk), in place; under a
-    non-uniform ``allocation`` the capacity of each (layer, head) of docs/semantics.md."""
+    non-uniform ``allocation`` the capacity of each (layer, head) of docs/semantics.md. Every policy's
+    scores come from its rule in :data:`RULES`; the highest are kept, ties to the more recent position."""
     n_layers, n_kv = len(retained), len(retained[0])
     capacity = spec.budget - spec.chunk + 1
+    rule = RULES[spec.policy]
     if spec.allocation == "adaptive":
         for layer in range(n_layers):
-            _decide_adaptive(spec, retained, layer, now, n, capacity, utility, last, future, seen_by)
+            _decide_adaptive(spec, retained, layer, now, capacity, record)
         return
     per_layer = [capacity] * n_layers
     if spec.allocation == "pyramid":
-        per_layer = _pyramid(capacity, _protected(spec, capacity), n_layers)
+        per_layer = _pyramid(capacity, rule.protected(spec, capacity), n_layers)
     if spec.scope == "head":
         groups = [[(layer, h)] for layer in range(n_layers) for h in range(n_kv)]
     elif spec.scope == "layer":
@@ -447,25 +410,11 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, n: int, utility, last
         candidates = retained[members[0][0]][members[0][1]]
         assert all(retained[layer][h] == candidates for layer, h in members), "a shared set diverged"
         room = per_layer[members[0][0]]  # the layer's capacity; the policy's own rules read B'
-        if spec.policy in _LIST_RULES:
-            keep = _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by, room)
-        else:
-            keep = _choose(spec, members, candidates, now, n, capacity, utility, last, future, room)
+        tables = [rule.score(spec, record, layer, h, candidates, now, capacity) for layer, h in members]
+        score = {j: rule.reduce(spec, [table[j] for table in tables]) for j in candidates}
+        keep = sorted(candidates, key=lambda j: (score[j], j), reverse=True)[:room]  # noqa: B023
         for layer, h in members:
             retained[layer][h] = sorted(keep)
-
-
-def _protected(spec: ReferenceSpec, capacity: int) -> int:
-    """The policy's always-kept recent positions, as its own rule counts them (for the pyramid's minimum)."""
-    if spec.policy in ("h2o", "random", "observed_attention"):
-        return int(spec.rho * capacity)
-    if spec.policy == "rmm":
-        return spec.lag
-    if spec.policy == "snapkv":
-        return spec.window
-    if spec.policy == "lagkv":
-        return 2 * spec.partition - 1
-    return 0
 
 
 def _pyramid(capacity: int, protected: int, n_layers: int) -> list[int]:
@@ -482,14 +431,14 @@ def _pyramid(capacity: int, protected: int, n_layers: int) -> list[int]:
     return [c + (1 if layer < residue else 0) for layer, c in enumerate(caps)]
 
 
-def _decide_adaptive(spec, retained, layer, now, n, capacity, utility, last, future, seen_by) -> None:
+def _decide_adaptive(spec, retained, layer, now, capacity, record) -> None:
     """AdaKV over one layer: each head keeps its f = ceil(0.2 B') best, then the layer's other
     n_kv (B' - f) slots go to the best remaining candidates of all its heads (higher score, then more
     recent position, then lower head index)."""
     floor = -(-capacity // 5)
     kept, rest = [], []
     for h, candidates in enumerate(retained[layer]):
-        score = _head_scores(spec, layer, h, candidates, now, n, capacity, utility, last, future, seen_by)
+        score = RULES[spec.policy].score(spec, record, layer, h, candidates, now, capacity)
         ranked = sorted(candidates, key=lambda j: (score[j], j), reverse=True)  # noqa: B023
         kept.append(ranked[:floor])
         rest += [(-score[j], -j, h, j) for j in ranked[floor:]]
@@ -497,63 +446,6 @@ def _decide_adaptive(spec, retained, layer, now, n, capacity, utility, last, fut
         kept[h].append(j)
     for h in range(len(retained[layer])):
         retained[layer][h] = sorted(kept[h])
-
-
-def _head_scores(spec, layer, h, candidates, now, n, capacity, utility, last, future, seen_by) -> dict:
-    """One head's scores {position: score} of its candidates, math.inf where always kept."""
-    if spec.policy in _LIST_RULES:
-        return _LIST_RULES[spec.policy](spec, seen_by, layer, h, candidates, now, capacity)
-    if spec.policy == "oracle" and spec.variant == "next_use":
-        return {j: -_next_request(future[0], layer, h, j, now, spec.tau) for j in candidates}
-    protected = _protected(spec, capacity)
-    return {
-        j: math.inf if j >= now - protected else _score(spec, layer, h, j, now, utility, last, future)
-        for j in candidates
-    }
-
-
-def _choose(spec, members, candidates, now, n, capacity, utility, last, future, room) -> list[int]:
-    """Which ``room`` candidates survive, by the policy's rule (shared over ``members``); ``capacity``
-    is B', from which the policy's own rules count (h2o's recent window)."""
-    if spec.policy == "oracle" and spec.variant == "next_use":
-        # Belady: keep the soonest next requests (a shared set serves whoever needs a key first);
-        # a never-requested key's next request is at infinity; ties keep the more recent position
-        soonest = {
-            j: min(_next_request(future[0], layer, h, j, now, spec.tau) for layer, h in members)
-            for j in candidates
-        }
-        return sorted(candidates, key=lambda j: (soonest[j], -j))[:room]
-    if spec.policy in ("h2o", "random"):
-        protected = int(spec.rho * capacity)
-    elif spec.policy == "rmm":
-        protected = spec.lag
-    else:
-        protected = 0
-    kept = [j for j in candidates if j >= now - protected]  # the recent window / provisional buffer
-    rest = [j for j in candidates if j < now - protected]
-    score = {
-        j: math.fsum(_score(spec, layer, h, j, now, utility, last, future) for layer, h in members)
-        for j in rest
-    }
-    ranked = sorted(rest, key=lambda j: (score[j], j), reverse=True)  # higher first, then more recent
-    return kept + ranked[: room - len(kept)]
-
-
-def _score(spec, layer: int, h: int, j: int, now: int, utility, last, future) -> float:
-    if spec.policy in ("h2o", "rmm"):
-        return utility[layer][h].get(j, 0.0)
-    if spec.policy == "tova":
-        return last[layer][h][j]
-    if spec.policy == "random":
-        return splitmix_uniform(spec.seed, layer, h, j)
-    if (
-        spec.policy == "oracle"
-    ):  # remaining requested reference attention, weighted by the query (future_utility)
-        attention, weights = future
-        weight = weights[spec.weight if spec.variant == "future_utility" else "uniform"]
-        requests = zip(attention[layer, h, now:, j].tolist(), weight[now:].tolist(), strict=True)
-        return math.fsum(a * w for a, w in requests if a >= spec.tau)
-    raise ValueError(f"reference has no rule for policy {spec.policy!r}")
 
 
 def _next_request(future: torch.Tensor, layer: int, h: int, j: int, now: int, tau: float) -> float:
@@ -564,39 +456,124 @@ def _next_request(future: torch.Tensor, layer: int, h: int, j: int, now: int, ta
     return math.inf
 
 
-# ---- observed_attention, snapkv, knorm, keydiff, lru, lagkv ---------------------------------------
-# Each rule scores one (layer, KV head)'s whole candidate list (sorted positions) at boundary ``now``
-# and returns {position: score}, math.inf for a position that is always kept. Scores of a shared set
-# add up (lru: the latest use counts); the highest are kept, ties to the more recent position.
+# ---- the rules: one table -----------------------------------------------------------------------
+# A score rule scores one (layer, KV head)'s whole candidate list (sorted positions) at boundary ``now``
+# and returns {position: score}, math.inf for a position that is always kept; ``capacity`` is B', from
+# which a policy's own recent window counts.
 
 
-def _choose_by_list_rule(spec, members, candidates, now, capacity, seen_by, room) -> list[int]:
-    tables = [
-        _LIST_RULES[spec.policy](spec, seen_by, layer, h, candidates, now, capacity) for layer, h in members
-    ]
-    reduce = max if spec.policy == "lru" else math.fsum
-    score = {j: reduce([table[j] for table in tables]) for j in candidates}
-    return sorted(candidates, key=lambda j: (score[j], j), reverse=True)[:room]
+def _recent(scores: dict[int, float], now: int, recent: int) -> dict[int, float]:
+    """``scores`` with the ``recent`` most recent positions (j >= now - recent) always kept."""
+    return {j: math.inf if j >= now - recent else score for j, score in scores.items()}
 
 
-def _unrotated(seen_by, source: str, layer: int, h: int, j: int) -> list[float]:
+def _rho_window(spec: ReferenceSpec, capacity: int) -> int:
+    return int(spec.rho * capacity)
+
+
+def _h2o(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """A_j = sum_s a_s(j); the r = floor(rho * B') most recent positions kept."""
+    acc = record["attention_sum"][layer][h]
+    return _recent({j: acc.get(j, 0.0) for j in candidates}, now, _rho_window(spec, capacity))
+
+
+def _counts(spec: ReferenceSpec, s: int, j: int) -> bool:
+    """rmm: does query s add to key j's utility (always, or with ``freeze`` only while s - j <= H)?"""
+    return spec.after_commit == "accumulate" or s - j <= spec.lag
+
+
+def _rmm_observe(spec: ReferenceSpec, record: dict, t: int) -> None:
+    """rmm after query t: add a_t(j) * w_t to every key it saw (``weight=gradient``: at the end of each
+    chunk, the chunk's gradient utility u_s(j) instead), subject to ``after_commit``."""
+    utility = record["utility"]
+    if spec.weight != "gradient":
+        w = record["weights"][t][spec.weight]
+        for layer, per_head in enumerate(record["rows"][t]):
+            for h, seen in enumerate(per_head):
+                for j, a in seen.items():
+                    if _counts(spec, t, j):
+                        utility[layer][h][j] = utility[layer][h].get(j, 0.0) + a * w
+        return
+    now = t + 1
+    if now % spec.chunk:
+        return
+    start = now - spec.chunk
+    if spec.gradient_loss == "chunk":
+        parts = [(start, now, spec.retained_log[start])]
+    else:  # each query alone, over R plus the chunk's earlier tokens (the chunk-1 computation)
+        parts = [(s, s + 1, spec.retained_log[s]) for s in range(start, now)]
+    for first, stop, kept in parts:
+        gradient = gradient_utility(
+            record["model"], record["tokens"], first, stop, kept, record["keys"], record["values"],
+            record["made_at"], spec,
+        )  # fmt: skip
+        for layer, per_head in enumerate(gradient):
+            for h, rows in enumerate(per_head):
+                for s, row in rows.items():
+                    for j, u in row.items():
+                        if _counts(spec, s, j):
+                            utility[layer][h][j] = utility[layer][h].get(j, 0.0) + u
+
+
+def _rmm(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """The accumulated utility; the provisional buffer (the last H positions) kept."""
+    utility = record["utility"][layer][h]
+    return _recent({j: utility.get(j, 0.0) for j in candidates}, now, spec.lag)
+
+
+def _tova(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """The attention of the latest query, a_{now-1}(j)."""
+    latest = record["rows"][now - 1][layer][h]
+    return {j: latest[j] for j in candidates}
+
+
+def _random(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """The seeded priority; the r = floor(rho * B') most recent positions kept."""
+    scores = {j: splitmix_uniform(spec.seed, layer, h, j) for j in candidates}
+    return _recent(scores, now, _rho_window(spec, capacity))
+
+
+def _oracle(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """next_use (Belady): minus the first future request s >= now with a*_s(j) >= tau (-inf if none);
+    future_mass / future_utility: sum over s >= now of a*_s(j) * w*_s where a*_s(j) >= tau (w* = 1 for
+    future_mass, the reference pass's own ``weight`` for future_utility)."""
+    attention, weights = record["future"]
+    if spec.variant == "next_use":
+        return {j: -_next_request(attention, layer, h, j, now, spec.tau) for j in candidates}
+    weight = weights[spec.weight if spec.variant == "future_utility" else "uniform"][now:].tolist()
+    scores = {}
+    for j in candidates:
+        requests = zip(attention[layer, h, now:, j].tolist(), weight, strict=True)
+        scores[j] = math.fsum(a * w for a, w in requests if a >= spec.tau)
+    return scores
+
+
+def _oracle_reduce(spec: ReferenceSpec, scores: list[float]) -> float:
+    """A shared set serves whoever requests a key first (next_use); the masses add up otherwise."""
+    return max(scores) if spec.variant == "next_use" else math.fsum(scores)
+
+
+# observed_attention, snapkv, knorm, keydiff, lru, lagkv
+
+
+def _unrotated(record, source: str, layer: int, h: int, j: int) -> list[float]:
     """Key j (rotated back from the position the model produced it at) or value j, in float64."""
-    x = seen_by[source][layer][h][j].double()
+    x = record[source][layer][h][j].double()
     if source == "keys":
-        x = rope_rotate(x[None], [-seen_by["made_at"][j]], seen_by["inv_freq"])[0]
+        x = rope_rotate(x[None], [-record["made_at"][j]], record["inv_freq"])[0]
     return x.tolist()
 
 
-def _observed_attention(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+def _observed_attention(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """A_j / n_j; the r = floor(rho * B') most recent positions kept."""
     recent = int(spec.rho * capacity)
-    acc, count = seen_by["utility"][layer][h], seen_by["count"][layer][h]
+    acc, count = record["attention_sum"][layer][h], record["count"][layer][h]
     return {j: math.inf if j >= now - recent else acc[j] / count[j] for j in candidates}
 
 
-def _snapkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+def _snapkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Mean attention of the chunk's last min(window, C) queries, pooled over position-sorted neighbours."""
-    rows = [seen_by["rows"][s][layer][h] for s in range(now - min(spec.window, spec.chunk), now)]
+    rows = [record["rows"][s][layer][h] for s in range(now - min(spec.window, spec.chunk), now)]
     mean = [math.fsum(row.get(j, 0.0) for row in rows) / len(rows) for j in candidates]
     half, scores = spec.kernel // 2, {}
     for i, j in enumerate(candidates):
@@ -617,17 +594,17 @@ def _significant(x: float, digits: int = SCORE_DIGITS) -> float:
     return round(x / scale) * scale
 
 
-def _knorm(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+def _knorm(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Minus the L2 norm of the unrotated key, at SCORE_DIGITS significant digits."""
-    return {j: -_significant(math.hypot(*_unrotated(seen_by, "keys", layer, h, j))) for j in candidates}
+    return {j: -_significant(math.hypot(*_unrotated(record, "keys", layer, h, j))) for j in candidates}
 
 
-def _keydiff(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+def _keydiff(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Minus the cosine similarity of the unrotated key to the mean normalised key, at SCORE_DIGITS
     significant digits."""
     units = {}
     for j in candidates:
-        k = _unrotated(seen_by, "keys", layer, h, j)
+        k = _unrotated(record, "keys", layer, h, j)
         units[j] = [x / math.hypot(*k) for x in k]
     dims = range(len(units[candidates[0]]))
     mean = [math.fsum(units[j][c] for j in candidates) / len(candidates) for c in dims]
@@ -637,12 +614,12 @@ def _keydiff(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, fl
     }
 
 
-def _lru(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+def _lru(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """The last query s with a_s(j) >= tau, or j itself."""
-    return {j: float(seen_by["last_use"][layer][h][j]) for j in candidates}
+    return {j: float(record["last_use"][layer][h][j]) for j in candidates}
 
 
-def _lagkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, float]:
+def _lagkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Partition k = positions [S + kP, S + (k + 1)P), scored against partition k + 1 once that one is
     whole; sinks and positions of partitions not yet scored are kept."""
     size, sinks = spec.partition, spec.sinks
@@ -656,7 +633,7 @@ def _lagkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, floa
         reference = range(sinks + (k + 1) * size, sinks + (k + 2) * size)
         scores[j] = 0.0
         for source in ("keys", "values"):
-            rows = {i: _unrotated(seen_by, source, layer, h, i) for i in [*part, *reference]}
+            rows = {i: _unrotated(record, source, layer, h, i) for i in [*part, *reference]}
             dims = range(len(rows[j]))
             low = [min(rows[i][c] for i in reference) for c in dims]
             high = [max(rows[i][c] for i in reference) for c in dims]
@@ -671,11 +648,67 @@ def _lagkv(spec, seen_by, layer, h, candidates, now, capacity) -> dict[int, floa
     return scores
 
 
-_LIST_RULES = {
-    "observed_attention": _observed_attention,
-    "snapkv": _snapkv,
-    "knorm": _knorm,
-    "keydiff": _keydiff,
-    "lru": _lru,
-    "lagkv": _lagkv,
+def _visible_full(spec: ReferenceSpec, now: int, j: int) -> bool:
+    return True
+
+
+def _visible_window(spec: ReferenceSpec, now: int, j: int) -> bool:
+    return j >= now - spec.budget
+
+
+def _visible_streaming_llm(spec: ReferenceSpec, now: int, j: int) -> bool:
+    return j < spec.sinks or j >= now - (spec.budget - spec.sinks)
+
+
+def _none(spec: ReferenceSpec, capacity: int) -> int:
+    return 0
+
+
+def _fsum(spec: ReferenceSpec, scores: list[float]) -> float:
+    return math.fsum(scores)
+
+
+def _latest(spec: ReferenceSpec, scores: list[float]) -> float:
+    return max(scores)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One policy's rule, spelled out.
+
+    visible : a position rule: may query ``now`` see key j? (applied to every query)
+    score : a score-based rule: {position: score} of one head's candidates at a boundary.
+    observe : called after every query t but the last, to fold what it saw into ``record``.
+    protected : the always-kept recent positions as the rule counts them (the pyramid's minimum).
+    reduce : how the scores of heads or layers that share one set combine.
+    reads_keys : the rule reads keys rotated back (the RoPE frequencies are needed).
+    reads_future : the rule reads the reference pass (the oracle).
+    """
+
+    visible: Callable[[ReferenceSpec, int, int], bool] | None = None
+    score: Callable[..., dict[int, float]] | None = None
+    observe: Callable[[ReferenceSpec, dict, int], None] | None = None
+    protected: Callable[[ReferenceSpec, int], int] = _none
+    reduce: Callable[[ReferenceSpec, list[float]], float] = _fsum
+    reads_keys: bool = False
+    reads_future: bool = False
+
+
+RULES: dict[str, Rule] = {
+    "full": Rule(visible=_visible_full),
+    "window": Rule(visible=_visible_window),
+    "streaming_llm": Rule(visible=_visible_streaming_llm),
+    "h2o": Rule(score=_h2o, protected=_rho_window),
+    "rmm": Rule(score=_rmm, observe=_rmm_observe, protected=lambda spec, capacity: spec.lag),
+    "tova": Rule(score=_tova),
+    "random": Rule(score=_random, protected=_rho_window),
+    "oracle": Rule(score=_oracle, reduce=_oracle_reduce, reads_future=True),
+    "observed_attention": Rule(score=_observed_attention, protected=_rho_window),
+    "snapkv": Rule(score=_snapkv, protected=lambda spec, capacity: spec.window),
+    "knorm": Rule(score=_knorm, reads_keys=True),
+    "keydiff": Rule(score=_keydiff, reads_keys=True),
+    "lru": Rule(score=_lru, reduce=_latest),
+    "lagkv": Rule(score=_lagkv, protected=lambda spec, capacity: 2 * spec.partition - 1, reads_keys=True),
 }
+POSITION_RULES = tuple(name for name, rule in RULES.items() if rule.visible is not None)
+SCORE_POLICIES = tuple(name for name, rule in RULES.items() if rule.score is not None)

@@ -20,7 +20,7 @@ from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import PeakMemory, RunTotals
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
-from rmm.policies import Policy, make_policy
+from rmm.policies import Policy, ScorePolicy, make_policy
 from rmm.policies.select import SCOPES
 from rmm.recording import POSITIONS
 from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
@@ -154,7 +154,7 @@ def _parameters(config: dict, group: str) -> dict[str, Any]:
 
 def _estimating(cfg: DictConfig, policy: Policy) -> bool:
     """Whether the estimator diagnostic runs (score-based policies only)."""
-    return bool(cfg.diagnostics.estimator) and not policy.per_query
+    return bool(cfg.diagnostics.estimator) and isinstance(policy, ScorePolicy)
 
 
 class RunningPerplexity:

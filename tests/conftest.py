@@ -7,39 +7,11 @@ import subprocess
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
+from rmm.matrix import ARCHITECTURES, sampled_stream, tiny_model
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=61,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-)
-ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
-}
-# per-architecture differences: Mistral's own sliding window off; GPT-NeoX is multi-head with partial rotary
-SPECIFIC = {"mistral": {"sliding_window": None}, "gpt_neox": {"rotary_pct": 0.5}}
 SENTENCES = [
     "shall i compare thee to a summer's day",
     "thou art more lovely and more temperate",
@@ -47,7 +19,6 @@ SENTENCES = [
     "and summer's lease hath all too short a date",
 ]
 STREAM_LENGTH = 24
-FOLLOW_ARGMAX = 0.5  # a sampled stream takes the model's own argmax with this probability
 
 
 # Largest differences seen by the exactness tests in this session, printed at the end of the run
@@ -104,41 +75,6 @@ def background(request) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
-    """A small random causal LM whose attention is peaked enough for eviction to matter."""
-    config_cls, model_cls = ARCHITECTURES[arch]
-    torch.manual_seed(seed)
-    settings = {**TINY, **SPECIFIC.get(arch, {}), **overrides}
-    if arch == "gpt_neox":
-        del settings["num_key_value_heads"]
-    return model_cls(config_cls(**settings)).eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def sampled_stream(model: PreTrainedModel, n: int = STREAM_LENGTH, seed: int = 1) -> torch.Tensor:
-    """A stream [n] the model partly predicts: each next token is the model's argmax (full attention)
-    with probability FOLLOW_ARGMAX, else uniformly random."""
-    model.set_attn_implementation("sdpa")
-    generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    tokens = [int(torch.randint(vocab, (1,), generator=generator))]
-    for _ in range(n - 1):
-        if float(torch.rand(1, generator=generator)) < FOLLOW_ARGMAX:
-            tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
-        else:
-            tokens.append(int(torch.randint(vocab, (1,), generator=generator)))
-    return torch.tensor(tokens)
-
-
-def distinct_stream(n: int = STREAM_LENGTH, seed: int = 1) -> torch.Tensor:
-    """A stream [n] without a repeated token, so that no two keys of a layer are equal by construction.
-
-    A repeated token has bitwise-equal layer-0 keys; the policies that rank keys themselves (knorm,
-    keydiff, lagkv) then tie, and float rounding, not recency, decides (docs/semantics.md).
-    """
-    return torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(seed))[:n]
-
-
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, PreTrainedModel]:
     return {arch: tiny_model(arch) for arch in ARCHITECTURES}
@@ -147,7 +83,7 @@ def tiny_models() -> dict[str, PreTrainedModel]:
 @pytest.fixture(scope="session")
 def streams(tiny_models) -> dict[str, torch.Tensor]:
     """Per architecture, a stream sampled from that tiny model (see :func:`sampled_stream`)."""
-    return {arch: sampled_stream(model) for arch, model in tiny_models.items()}
+    return {arch: sampled_stream(model, STREAM_LENGTH) for arch, model in tiny_models.items()}
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -23,10 +23,9 @@ from rmm.policies import POLICIES, make_policy
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 STUDIES = ("main_table", "lag_sweep", "weight_ablation", "positions_ablation", "chunk_ablation")
-GPU_DATASETS = ("pg19", "proof_pile")
-GPU_SUFFIXES = tuple(f"_{dataset}" for dataset in GPU_DATASETS)
+GPU_SCALES = ("pg19", "proof_pile")  # conf/scale/: a study at GPU scale is experiment=<study> scale=<name>
 GPU_MODELS = ("llama2_7b", "llama3_8b", "mistral_7b", "qwen2_5_7b")
-PRESETS = [f"{study}{suffix}" for study in STUDIES for suffix in ("", "_cpu", *GPU_SUFFIXES)]
+PRESETS = [f"{study}{suffix}" for study in STUDIES for suffix in ("", "_cpu")]
 RUN_KEYS = ["policy", "budget", "chunk", "lag", "positions", "scope", "seed"]  # what makes a run valid
 
 Compose = Callable[..., DictConfig]
@@ -49,8 +48,8 @@ def sweep_jobs(params: Mapping[str, Any]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*axes)]
 
 
-# Every top-level preset (the GPU variants sweep their study's runs: test_study_presets).
-SWEEPS = [name for name in options("experiment") if "/" not in name and not name.endswith(GPU_SUFFIXES)]
+# Every top-level preset (at a GPU scale a study sweeps the same runs: test_study_presets).
+SWEEPS = [name for name in options("experiment") if "/" not in name]
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +107,15 @@ def test_policy_configs(compose_cfg: Compose, policy: str) -> None:
     assert cfg.policy.name == policy
 
 
+@pytest.mark.parametrize("scale", options("scale"))
+def test_every_scale_composes_with_a_study(compose_cfg: Compose, scale: str) -> None:
+    check_run_config(compose_cfg(f"scale={scale}"))
+    check_run_config(compose_cfg("experiment=weight_ablation", f"scale={scale}", hydra=True))
+
+
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_every_experiment_config_composes(compose_cfg: Compose, experiment: str) -> None:
-    """Presets and scales compose on their own; a lag arm is composed into lag_sweep, at its budget."""
+    """Presets compose on their own; a lag arm is composed into lag_sweep, at its budget."""
     group, _, arm = experiment.rpartition("/")
     if group == "lag_arm":
         overrides = ["experiment=lag_sweep", f"experiment/lag_arm@_global_={arm}"]
@@ -139,17 +144,18 @@ def test_sweep_runs_are_valid_and_distinct(compose_cfg: Compose, experiment: str
 
 @pytest.mark.parametrize("study", STUDIES)
 def test_study_presets(compose_cfg: Compose, study: str) -> None:
-    """A study sweeps into multirun/<preset>; its GPU variants sweep the same runs on a 7-8B model."""
+    """A study sweeps into multirun/<preset>; at a GPU scale it sweeps the same runs on a 7-8B model."""
     base = compose_cfg(f"experiment={study}", hydra=True)
     assert len(sweep_jobs(base.hydra.sweeper.params)) > 1
-    for suffix in ("", "_cpu", *GPU_SUFFIXES):
+    for suffix in ("", "_cpu"):
         cfg = compose_cfg(f"experiment={study}{suffix}", hydra=True)
         assert cfg.hydra.sweep.dir == f"multirun/{study}{suffix}"
-    for dataset in GPU_DATASETS:
-        cfg = compose_cfg(f"experiment={study}_{dataset}", hydra=True)
+    for scale in GPU_SCALES:
+        cfg = compose_cfg(f"experiment={study}", f"scale={scale}", hydra=True)
+        assert cfg.hydra.sweep.dir == f"multirun/{study}"
         assert cfg.hydra.sweeper.params == base.hydra.sweeper.params
         assert OmegaConf.masked_copy(cfg, RUN_KEYS) == OmegaConf.masked_copy(base, RUN_KEYS)
-        assert cfg.model.name in GPU_MODELS and cfg.dataset.name == dataset
+        assert cfg.model.name in GPU_MODELS and cfg.dataset.name == scale
         assert cfg.dtype == "bfloat16" and cfg.dataset.max_tokens == 32768
 
 

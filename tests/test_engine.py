@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import distinct_stream, record_max
+from conftest import STREAM_LENGTH, record_max
 from omegaconf import OmegaConf
 
 from rmm.config import POSITIONS
 from rmm.engine import StreamingEngine
 from rmm.lookahead import RequestRecorder, record_future
+from rmm.matrix import distinct_stream
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
 from rmm.rotary import Rotary
@@ -163,7 +164,10 @@ def test_observation_names_the_missing_need():
 def test_observed_keys_and_queries_are_unrotated(tiny_models, arch):
     """Keys and queries handed to a policy are pre-RoPE: at layer 0 (where they depend on the token
     only) equal under both position modes, and equal to the model's keys rotated back."""
-    model, tokens = tiny_models[arch], distinct_stream()  # repeated tokens would tie knorm's ranking
+    model, tokens = (
+        tiny_models[arch],
+        distinct_stream(STREAM_LENGTH),
+    )  # repeated tokens would tie knorm's ranking
     seen = {}
 
     class Probe(KNorm):

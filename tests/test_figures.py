@@ -327,3 +327,18 @@ def test_notebook_writes_outside_the_repository_unless_asked(monkeypatch: pytest
     figures_dir = Path(str(namespace["FIGURES_DIR"])).resolve()
     assert figures_dir.is_dir() and NOTEBOOK.parents[1] not in figures_dir.parents
     figures_dir.rmdir()
+
+
+def test_one_policy_table_covers_every_policy_and_weight() -> None:
+    """Every registered policy has its place, colour and label in the one table; every weight a colour;
+    no two policies (and no two weights) share a colour."""
+    from matplotlib import colors as mcolors
+
+    from experiments.policy_table import POLICY_TABLE, WEIGHT_COLORS
+    from rmm.policies import POLICIES, oracle, rmm
+
+    assert set(POLICY_TABLE) == set(POLICIES)
+    assert set(WEIGHT_COLORS) == set(rmm.WEIGHTS) | set(oracle.WEIGHTS)
+    policy_rgb = [mcolors.to_rgb(style.color) for style in POLICY_TABLE.values()]
+    assert len(set(policy_rgb)) == len(policy_rgb)
+    assert len({mcolors.to_rgb(c) for c in WEIGHT_COLORS.values()}) == len(WEIGHT_COLORS)

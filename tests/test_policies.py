@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import distinct_stream, record_max
+from conftest import STREAM_LENGTH, record_max
 
 from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.lookahead import record_future
-from rmm.policies import POLICIES, make_policy
+from rmm.matrix import CASES, case_id, distinct_stream, ranks_keys, sampled_stream, tiny_model
+from rmm.policies import POLICIES, PositionRule, ScorePolicy, make_policy
 from rmm.reference import POSITION_RULES, SCORE_POLICIES, ReferenceSpec, reference_attention, reference_stream
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt_neox"]
@@ -26,39 +27,7 @@ BUDGET = 8
 CHUNKS = [1, 4, 5]  # 5 leaves a partial last chunk of the 24-token streams
 POSITIONS = ["original", "cache"]
 NLL_ATOL = 5e-6  # per-token NLL, fp32 engine vs reference; the measured maximum is 2.4e-6 (see README)
-CASES = [
-    ("full", {}),
-    ("window", {}),
-    ("streaming_llm", {"sinks": 2}),
-    ("h2o", {}),
-    ("h2o", {"rho": 0.0}),
-    ("rmm", {"lag": 3}),
-    ("rmm", {"lag": 3, "weight": "prob"}),
-    ("rmm", {"lag": 3, "weight": "uniform"}),
-    ("rmm", {"lag": 3, "after_commit": "freeze"}),
-    ("rmm", {"lag": 4, "weight": "prob", "after_commit": "freeze"}),
-    ("rmm", {"lag": 0, "weight": "uniform", "after_commit": "freeze"}),
-    ("rmm", {"lag": 3, "weight": "gradient"}),
-    ("rmm", {"lag": 3, "weight": "gradient", "after_commit": "freeze"}),
-    ("tova", {}),
-    ("random", {}),
-    ("random", {"seed": 3}),
-    ("oracle", {}),
-    ("oracle", {"variant": "future_mass"}),
-    ("oracle", {"variant": "future_utility"}),
-    ("oracle", {"variant": "future_utility", "weight": "prob"}),
-    ("observed_attention", {}),
-    ("observed_attention", {"rho": 0.25}),
-    ("snapkv", {"window": 2, "kernel": 3, "pooling": "avg"}),
-    ("snapkv", {"window": 3, "kernel": 5, "pooling": "max"}),
-    ("knorm", {}),
-    ("keydiff", {}),
-    ("lru", {}),
-    ("lru", {"tau": 0.2}),
-    ("lagkv", {"partition": 3, "sinks": 1}),
-    ("lagkv", {"partition": 3, "sinks": 0}),
-]
-CASE_IDS = [f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CASES]
+CASE_IDS = [case_id(name, params) for name, params in CASES]
 
 
 def run_engine(
@@ -104,15 +73,15 @@ def reference(
     allocation: str = "uniform",
 ):
     """(nll, correct, retained_log) of the reference, cached across tests; position rules ignore C."""
-    from conftest import distinct_stream, sampled_stream, tiny_model
-
     if arch not in _MODELS:  # built once: setdefault would build (and discard) a model on every call
         _MODELS[arch] = tiny_model(arch)
     model, params = _MODELS[arch], dict(frozen)
     if ranks_keys(name):
-        tokens = distinct_stream()
+        tokens = distinct_stream(STREAM_LENGTH)
     else:
-        tokens = _STREAMS[arch] if arch in _STREAMS else _STREAMS.setdefault(arch, sampled_stream(model))
+        if arch not in _STREAMS:
+            _STREAMS[arch] = sampled_stream(model, STREAM_LENGTH)
+        tokens = _STREAMS[arch]
     spec = ReferenceSpec(
         policy=name,
         budget=BUDGET,
@@ -130,13 +99,12 @@ _MODELS: dict = {}
 _STREAMS: dict = {}
 
 
-def ranks_keys(name: str) -> bool:
-    """Policies that rank keys themselves run on a stream without a repeated token (distinct_stream)."""
-    return "keys" in POLICIES[name].needs
-
-
 def test_every_policy_has_a_config_a_reference_rule_and_a_case():
     assert set(POLICIES) <= set(POSITION_RULES) | set(SCORE_POLICIES), "a policy lacks a reference rule"
+    rules = {name for name, cls in POLICIES.items() if issubclass(cls, PositionRule)}
+    scored = {name for name, cls in POLICIES.items() if issubclass(cls, ScorePolicy)}
+    assert rules | scored == set(POLICIES) and not rules & scored, "each policy derives from one base"
+    assert rules == set(POSITION_RULES), "the reference and the engine disagree on which are position rules"
     assert set(POLICIES) <= {name for name, _ in CASES}, "a policy is missing from the reference matrix"
     configs = {path.stem for path in (Path(__file__).resolve().parents[1] / "conf" / "policy").glob("*.yaml")}
     assert set(POLICIES) <= configs, "a policy lacks conf/policy/<name>.yaml"
@@ -190,7 +158,7 @@ def matrix():
     Chunk 4 kills the most mutants of experiments/mutation_check.py (full chunks of several queries)."""
     seen = set()
     for arch in ARCHS:
-        for (name, params), case_id in zip(CASES, CASE_IDS, strict=True):
+        for (name, params), ident in zip(CASES, CASE_IDS, strict=True):
             variant = (arch, name) in seen
             seen.add((arch, name))
             chunks = [chunk for chunk in CHUNKS if fits(name, params, chunk)]
@@ -204,14 +172,14 @@ def matrix():
                     name,
                     params,
                     chunk,
-                    id=f"{arch}-{case_id}-C{chunk}",
+                    id=f"{arch}-{ident}-C{chunk}",
                     marks=[pytest.mark.slow] * (not fast),
                 )
 
 
 @pytest.mark.parametrize(("arch", "name", "params", "chunk"), matrix())
 def test_engine_matches_reference(tiny_models, streams, arch, name, params, chunk):
-    tokens = distinct_stream() if ranks_keys(name) else streams[arch]
+    tokens = distinct_stream(STREAM_LENGTH) if ranks_keys(name) else streams[arch]
     for positions in POSITIONS:
         check_against_reference(tiny_models[arch], tokens, arch, name, params, chunk, positions)
 
@@ -239,7 +207,7 @@ def test_engine_matches_reference(tiny_models, streams, arch, name, params, chun
     ],
 )
 def test_shared_scope_matches_reference(tiny_models, streams, arch, scope, positions, name, params):
-    tokens = distinct_stream() if ranks_keys(name) else streams[arch]
+    tokens = distinct_stream(STREAM_LENGTH) if ranks_keys(name) else streams[arch]
     sets = check_against_reference(tiny_models[arch], tokens, arch, name, params, 2, positions, scope)
     for engine_set in sets.values():
         layers = engine_set if scope == "layer" else [sum(engine_set, [])]
@@ -403,7 +371,7 @@ def allocation_matrix():
 
 @pytest.mark.parametrize(("arch", "name", "params", "allocation", "chunk"), allocation_matrix())
 def test_allocation_matches_reference(tiny_models, streams, arch, name, params, allocation, chunk):
-    tokens = distinct_stream() if ranks_keys(name) else streams[arch]
+    tokens = distinct_stream(STREAM_LENGTH) if ranks_keys(name) else streams[arch]
     check_against_reference(
         tiny_models[arch], tokens, arch, name, params, chunk, "original", "head", allocation
     )
@@ -430,7 +398,7 @@ def test_pyramid_with_layer_scope_matches_reference(tiny_models, streams, name, 
 def test_allocations_keep_other_sets_than_uniform(tiny_models, streams, name, params, allocation):
     """Each allocation changes what is kept, with sets of other sizes than B' per head."""
     model = tiny_models["llama"]
-    tokens = distinct_stream() if ranks_keys(name) else streams["llama"]
+    tokens = distinct_stream(STREAM_LENGTH) if ranks_keys(name) else streams["llama"]
     _, uniform = retained_sets(model, tokens, name, params, chunk=1)
     _, other = retained_sets(model, tokens, name, params, chunk=1, allocation=allocation)
     assert other != uniform

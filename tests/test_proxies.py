@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from experiments import gpu_check
 from rmm.engine import StreamingEngine
+from rmm.matrix import TINY, sampled_stream
 from rmm.models import config_from_architecture, describe_model
 from rmm.policies import POLICIES, make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 from rmm.rotary import Rotary
 
-TINY = gpu_check.TINY
 BUDGET = gpu_check.MATRIX_BUDGET
 
 CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
@@ -138,7 +138,7 @@ def test_covered_geometries_are_shipped():
 def test_geometry_proxy_matches_reference(stem):
     """Each shipped geometry (GQA ratio, head_dim, rope theta and scaling, window) against the reference."""
     model = geometry_model(stem)
-    tokens = gpu_check.sampled_stream(model, gpu_check.MATRIX_TOKENS)
+    tokens = sampled_stream(model, gpu_check.MATRIX_TOKENS)
     for (name, params), positions in itertools.product(
         [("window", {}), ("streaming_llm", {"sinks": 2}), ("h2o", {}), ("rmm", {"lag": 3})],
         ["original", "cache"],

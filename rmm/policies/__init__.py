@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rmm.policies.base import NEEDS, Observation, Policy, ReferencePass
+from rmm.policies.base import NEEDS, Observation, Policy, PositionRule, ReferencePass, ScorePolicy
 from rmm.policies.full import Full
 from rmm.policies.h2o import H2O
 from rmm.policies.keydiff import KeyDiff
@@ -68,4 +68,13 @@ def make_policy(cfg: Mapping[str, Any], budget: int | None, chunk: int) -> Polic
         raise ValueError(f"bad parameters for policy {name!r}: {err}") from err
 
 
-__all__ = ["NEEDS", "POLICIES", "Observation", "Policy", "ReferencePass", "make_policy"]
+__all__ = [
+    "NEEDS",
+    "POLICIES",
+    "Observation",
+    "Policy",
+    "PositionRule",
+    "ReferencePass",
+    "ScorePolicy",
+    "make_policy",
+]

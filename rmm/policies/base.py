@@ -1,11 +1,12 @@
 """The policy interface: pure tensor logic over slot positions and what a chunk let the policy observe.
 
 Shapes use L layers, H KV heads, G query heads per KV head, S candidate slots, Q queries of the current
-chunk and D the head dimension. A slot whose position is -1 is empty. Two families exist:
+chunk and D the head dimension. A slot whose position is -1 is empty. Two families exist, each with its
+own base class:
 
-- position rules (``per_query = True``): ``allowed`` says, for every query, which positions it may see;
-  the engine applies it per query, so the result does not depend on the chunk size.
-- score-based policies: after every chunk the engine hands the policy one :class:`Observation` holding
+- :class:`PositionRule`: ``allowed`` says, for every query, which positions it may see; the engine
+  applies it per query, so the result does not depend on the chunk size.
+- :class:`ScorePolicy`: after every chunk the engine hands the policy one :class:`Observation` holding
   exactly what its ``needs`` declare; ``observe`` may fold it into per-slot statistics (``state``, one
   [L, H, S] tensor per name in ``state_names``, moved with the slots when the memory compacts). At
   each chunk boundary the engine keeps the ``capacity = B - C + 1`` valid slots with the highest
@@ -103,27 +104,20 @@ class Observation:
 
 @dataclass
 class Policy:
-    """Base class. ``budget`` is B (None for unbounded), ``chunk`` is C.
+    """Base of both families. ``budget`` is B (None for unbounded), ``chunk`` is C.
 
-    Class attributes a policy sets: ``name`` (its registry and config name), ``per_query`` (position
-    rule), ``needs`` (a subset of :data:`NEEDS`), ``state_names`` (per-slot statistics it keeps),
-    ``scope_reduce`` (``sum`` or ``max``: how scores combine when heads or layers share one set).
+    Class attributes a policy sets: ``name`` (its registry and config name) and ``needs_reference``
+    (it calls the reference pass in :meth:`prepare`). A policy derives from :class:`PositionRule` or
+    :class:`ScorePolicy`, never from this class directly.
     """
 
     budget: int | None
     chunk: int
 
     name: ClassVar[str] = ""
-    per_query: ClassVar[bool] = False
-    needs: ClassVar[frozenset[str]] = frozenset()
-    needs_reference: ClassVar[bool] = False  # calls the reference pass in ``prepare``
-    state_names: ClassVar[tuple[str, ...]] = ()
-    scope_reduce: ClassVar[str] = "sum"
+    needs_reference: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        unknown = set(self.needs) - set(NEEDS)
-        if unknown:
-            raise TypeError(f"{type(self).__name__}.needs has unknown entries {sorted(unknown)}; use {NEEDS}")
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.budget is None:
@@ -137,23 +131,8 @@ class Policy:
 
     @property
     def capacity(self) -> int:
-        """B': entries kept at a boundary, so that the chunk's last query sees at most B."""
-        assert self.budget is not None
-        return self.budget if self.per_query else self.budget - self.chunk + 1
-
-    @property
-    def protected(self) -> int:
-        """Number of most recent positions that are never ranked (a recent window); 0 by default."""
-        return 0
-
-    @property
-    def sink_positions(self) -> int:
-        """Position rules: the first positions that stay visible however old they are (attention sinks).
-
-        With ``positions=cache`` their rank differs from their original distance, which the attention
-        function corrects per query. 0 by default.
-        """
-        return 0
+        """Entries kept at a boundary, so that every query sees at most B."""
+        raise NotImplementedError
 
     def metric_fields(self) -> dict[str, Any]:
         """Top-level metrics this policy contributes to ``metrics.json`` (``lag``: rmm's H, else None)."""
@@ -163,9 +142,60 @@ class Policy:
         """Called once per stream ``tokens`` [n] before it is streamed; ``reference(tokens)`` runs the
         reference pass (only policies with ``needs_reference`` may call it)."""
 
+
+@dataclass
+class PositionRule(Policy):
+    """A policy that keeps by position alone: ``allowed`` decides for every query which keys it sees."""
+
+    @property
+    def capacity(self) -> int:
+        """B: a position rule decides per query, so every slot up to the budget stays usable."""
+        assert self.budget is not None
+        return self.budget
+
+    @property
+    def sink_positions(self) -> int:
+        """The first positions that stay visible however old they are (attention sinks).
+
+        With ``positions=cache`` their rank differs from their original distance, which the attention
+        function corrects per query. 0 by default.
+        """
+        return 0
+
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        """Position rule: bool [..., Q, S] for queries [Q] over keys [..., S] (per-query policies)."""
+        """bool [..., Q, S]: which of the keys [..., S] each query [Q] may see."""
         raise NotImplementedError
+
+
+@dataclass
+class ScorePolicy(Policy):
+    """A policy that ranks: it observes every chunk and scores the candidates at each boundary.
+
+    Class attributes it sets: ``needs`` (a subset of :data:`NEEDS`), ``state_names`` (per-slot
+    statistics it keeps), ``scope_reduce`` (``sum`` or ``max``: how scores combine when heads or
+    layers share one set). Selection itself (:mod:`rmm.policies.select`) is not the policy's business.
+    """
+
+    needs: ClassVar[frozenset[str]] = frozenset()
+    state_names: ClassVar[tuple[str, ...]] = ()
+    scope_reduce: ClassVar[str] = "sum"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.needs) - set(NEEDS)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.needs has unknown entries {sorted(unknown)}; use {NEEDS}")
+        super().__post_init__()
+
+    @property
+    def capacity(self) -> int:
+        """B' = B - C + 1: entries kept at a boundary, so that the chunk's last query sees at most B."""
+        assert self.budget is not None
+        return self.budget - self.chunk + 1
+
+    @property
+    def protected(self) -> int:
+        """Number of most recent positions that are never ranked (a recent window); 0 by default."""
+        return 0
 
     def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
         """Update ``state`` ([L, H, S] each) in place from the chunk's observation."""
@@ -179,7 +209,7 @@ class Policy:
 
 
 @dataclass
-class RecentRatioPolicy(Policy):
+class RecentRatioPolicy(ScorePolicy):
     """A score-based policy that always keeps its r = floor(rho * B') most recent positions."""
 
     rho: float = 0.5

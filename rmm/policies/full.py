@@ -4,13 +4,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Policy
+from rmm.policies.base import PositionRule
 
 
 @dataclass
-class Full(Policy):
+class Full(PositionRule):
     name = "full"
-    per_query = True
 
     def __post_init__(self) -> None:
         self.budget = None

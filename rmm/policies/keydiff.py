@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rmm.policies.base import Observation, Policy, significant
+from rmm.policies.base import Observation, ScorePolicy, significant
 
 
 @dataclass
-class KeyDiff(Policy):
+class KeyDiff(ScorePolicy):
     name = "keydiff"
     needs = frozenset({"keys"})
 

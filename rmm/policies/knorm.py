@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, Policy, significant
+from rmm.policies.base import Observation, ScorePolicy, significant
 
 
 @dataclass
-class KNorm(Policy):
+class KNorm(ScorePolicy):
     name = "knorm"
     needs = frozenset({"keys"})
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import NEVER, Observation, Policy, check_protected, position_order, significant
+from rmm.policies.base import NEVER, Observation, ScorePolicy, check_protected, position_order, significant
 
 EPS = 1e-6
 
 
 @dataclass
-class LagKV(Policy):
+class LagKV(ScorePolicy):
     partition: int = 16
     sinks: int = 4
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, Policy
+from rmm.policies.base import Observation, ScorePolicy
 
 
 @dataclass
-class LRU(Policy):
+class LRU(ScorePolicy):
     tau: float = 0.02
 
     name = "lru"

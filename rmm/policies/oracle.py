@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rmm.policies.base import Observation, Policy, ReferencePass
+from rmm.policies.base import Observation, ReferencePass, ScorePolicy
 
 if TYPE_CHECKING:
     from rmm.future import FutureRequests
@@ -26,7 +26,7 @@ WEIGHTS = ("correct", "prob", "uniform")
 
 
 @dataclass
-class Oracle(Policy):
+class Oracle(ScorePolicy):
     variant: str = "next_use"
     weight: str = "correct"  # future_utility's query weight w*_s
     future: FutureRequests | None = field(default=None, init=False, repr=False)

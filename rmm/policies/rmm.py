@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from rmm.policies.base import Observation, Policy, check_protected, protect_recent, weighted_attention
+from rmm.policies.base import Observation, ScorePolicy, check_protected, protect_recent, weighted_attention
 
 WEIGHTS = ("correct", "prob", "uniform", "gradient")
 AFTER_COMMIT = ("accumulate", "freeze")
 
 
 @dataclass
-class RMM(Policy):
+class RMM(ScorePolicy):
     lag: int
     weight: str = "correct"
     after_commit: str = "accumulate"

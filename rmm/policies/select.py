@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from rmm.policies.base import Policy, ScorePolicy
+
 SCOPES = ("head", "layer", "global")  # as rmm.config.SCOPES, which checks configs without torch
 ALLOCATIONS = ("uniform", "adaptive", "pyramid")  # as rmm.config.ALLOCATIONS
 
@@ -148,21 +150,21 @@ def rank(scores: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor) -> to
     return ranks
 
 
-def check_allocation(allocation: str, scope: str, positions: str, policy: str, per_query: bool) -> None:
+def check_allocation(allocation: str, scope: str, positions: str, policy: Policy) -> None:
     """Refuse a budget allocation that does not apply: raises ValueError naming the fix.
 
     ``uniform`` always applies. ``adaptive`` needs scope=head, ``pyramid`` scope head or layer; both need
     positions=original (under ``cache`` different per-head counts would need per-head query ranks) and
-    a score-based policy (a position rule, ``per_query``, keeps by position and has nothing to allocate).
+    a :class:`~rmm.policies.base.ScorePolicy` (a position rule keeps by position and has nothing to allocate).
     """
     if allocation not in ALLOCATIONS:
         raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
     if allocation == "uniform":
         return
-    if per_query:
+    if not isinstance(policy, ScorePolicy):
         raise ValueError(
-            f"allocation={allocation} does not apply to the position rule {policy!r} (it keeps by position, "
-            "with no scores to allocate): use allocation=uniform, or a score-based policy"
+            f"allocation={allocation} does not apply to the position rule {policy.name!r} (it keeps by "
+            "position, with no scores to allocate): use allocation=uniform, or a score-based policy"
         )
     if positions != "original":
         raise ValueError(

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rmm.policies.base import Observation, Policy, check_protected, position_order, protect_recent
+from rmm.policies.base import Observation, ScorePolicy, check_protected, position_order, protect_recent
 
 POOLINGS = ("avg", "max")
 
 
 @dataclass
-class SnapKV(Policy):
+class SnapKV(ScorePolicy):
     window: int = 32
     kernel: int = 5
     pooling: str = "avg"

@@ -4,15 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Policy
+from rmm.policies.base import PositionRule
 
 
 @dataclass
-class StreamingLLM(Policy):
+class StreamingLLM(PositionRule):
     sinks: int = 4
 
     name = "streaming_llm"
-    per_query = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -4,11 +4,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, Policy
+from rmm.policies.base import Observation, ScorePolicy
 
 
 @dataclass
-class TOVA(Policy):
+class TOVA(ScorePolicy):
     name = "tova"
     needs = frozenset({"attention"})
 

@@ -4,13 +4,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Policy
+from rmm.policies.base import PositionRule
 
 
 @dataclass
-class Window(Policy):
+class Window(PositionRule):
     name = "window"
-    per_query = True
 
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         return key_pos[..., None, :] >= query_pos[:, None] - self.budget

@@ -1,0 +1,125 @@
+"""The reference matrix's ingredients, one copy for the test suite and the GPU check.
+
+Tiny random causal LMs of four architectures (built locally, no downloads), streams they partly
+predict, and the policy cases every policy is checked in against :mod:`rmm.reference`. The tests
+(``tests/test_policies.py``) and ``experiments/gpu_check.py`` both import them from here.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=61,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
+}
+# per-architecture differences: Mistral's own sliding window off; GPT-NeoX is multi-head with partial rotary
+SPECIFIC = {"mistral": {"sliding_window": None}, "gpt_neox": {"rotary_pct": 0.5}}
+FOLLOW_ARGMAX = 0.5  # a sampled stream takes the model's own argmax with this probability
+
+# (policy, parameters): every policy at least once, with the parameters that change its decisions
+CASES: list[tuple[str, dict]] = [
+    ("full", {}),
+    ("window", {}),
+    ("streaming_llm", {"sinks": 2}),
+    ("h2o", {}),
+    ("h2o", {"rho": 0.0}),
+    ("rmm", {"lag": 3}),
+    ("rmm", {"lag": 3, "weight": "prob"}),
+    ("rmm", {"lag": 3, "weight": "uniform"}),
+    ("rmm", {"lag": 3, "after_commit": "freeze"}),
+    ("rmm", {"lag": 4, "weight": "prob", "after_commit": "freeze"}),
+    ("rmm", {"lag": 0, "weight": "uniform", "after_commit": "freeze"}),
+    ("rmm", {"lag": 3, "weight": "gradient"}),
+    ("rmm", {"lag": 3, "weight": "gradient", "after_commit": "freeze"}),
+    ("tova", {}),
+    ("random", {}),
+    ("random", {"seed": 3}),
+    ("oracle", {}),
+    ("oracle", {"variant": "future_mass"}),
+    ("oracle", {"variant": "future_utility"}),
+    ("oracle", {"variant": "future_utility", "weight": "prob"}),
+    ("observed_attention", {}),
+    ("observed_attention", {"rho": 0.25}),
+    ("snapkv", {"window": 2, "kernel": 3, "pooling": "avg"}),
+    ("snapkv", {"window": 3, "kernel": 5, "pooling": "max"}),
+    ("knorm", {}),
+    ("keydiff", {}),
+    ("lru", {}),
+    ("lru", {"tau": 0.2}),
+    ("lagkv", {"partition": 3, "sinks": 1}),
+    ("lagkv", {"partition": 3, "sinks": 0}),
+]
+
+
+def case_id(name: str, params: dict) -> str:
+    """A case's name: the policy and its parameter values, e.g. ``rmm-3-prob``."""
+    return f"{name}-{'-'.join(map(str, params.values()))}"
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
+    """A small random causal LM (CPU, fp32) whose attention is peaked enough for eviction to matter."""
+    config_cls, model_cls = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    settings = {**TINY, **SPECIFIC.get(arch, {}), **overrides}
+    if arch == "gpt_neox":
+        del settings["num_key_value_heads"]
+    return model_cls(config_cls(**settings)).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def sampled_stream(model: PreTrainedModel, n: int, seed: int = 1) -> torch.Tensor:
+    """A stream [n] the model partly predicts: each next token is the model's argmax (full attention)
+    with probability FOLLOW_ARGMAX, else uniformly random (so correctness weights see both outcomes)."""
+    model.set_attn_implementation("sdpa")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    tokens = [int(torch.randint(vocab, (1,), generator=generator))]
+    for _ in range(n - 1):
+        if float(torch.rand(1, generator=generator)) < FOLLOW_ARGMAX:
+            tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+        else:
+            tokens.append(int(torch.randint(vocab, (1,), generator=generator)))
+    return torch.tensor(tokens)
+
+
+def ranks_keys(name: str) -> bool:
+    """Whether the policy ``name`` ranks keys themselves (it reads ``keys``): the matrix streams it
+    :func:`distinct_stream`."""
+    from rmm.policies import POLICIES, ScorePolicy
+
+    cls = POLICIES[name]
+    return issubclass(cls, ScorePolicy) and "keys" in cls.needs
+
+
+def distinct_stream(n: int, seed: int = 1) -> torch.Tensor:
+    """A stream [n] without a repeated token, so that no two keys of a layer are equal by construction.
+
+    A repeated token has bitwise-equal layer-0 keys; the policies that rank keys themselves (knorm,
+    keydiff, lagkv) then tie at the stated precision and recency decides (docs/semantics.md). The
+    matrix streams them distinct tokens so that their scores, not the tie rule, are compared.
+    """
+    return torch.randperm(TINY["vocab_size"], generator=torch.Generator().manual_seed(seed))[:n]
