@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 
 @dataclass
@@ -194,9 +195,10 @@ def reference_stream(
     if spec.allocation == "uniform":
         model.set_attn_implementation("eager")
     else:  # heads may hold different numbers of entries
-        if spec.positions != "original" or (spec.policy == "rmm" and spec.weight == "gradient"):
-            raise ValueError("the reference's non-uniform allocations need original positions, no gradient")
+        if spec.positions != "original":
+            raise ValueError("the reference's non-uniform allocations need original positions")
         AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
+        AttentionMaskInterface.register(RAGGED_ATTENTION, eager_mask)  # causal masks as under eager
         model.set_attn_implementation(RAGGED_ATTENTION)
     retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t, sorted position lists
 
@@ -285,12 +287,15 @@ def reference_stream(
     return nll, correct
 
 
-def _cache(retained: list, keys: list, values: list, made_at: dict, positions: str, inv_freq: list):
+def _cache(
+    retained: list, keys: list, values: list, made_at: dict, positions: str, inv_freq: list, new: int = 1
+):
     """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty. With cache
     positions every key moves from the position the model produced it at to its rank in R.
 
     Heads holding different numbers of entries (a non-uniform allocation) are padded with zero keys and
-    values to the longest, and :data:`_RAGGED_MASK` gives the padding -inf (see :func:`_ragged_attention`).
+    values to the longest, and :data:`_RAGGED_MASK` gives the padding -inf for the ``new`` tokens the
+    next forward pass appends (see :func:`_ragged_attention`).
     """
     _RAGGED_MASK.clear()
     longest = max(len(kept) for per_head in retained for kept in per_head)
@@ -308,16 +313,16 @@ def _cache(retained: list, keys: list, values: list, made_at: dict, positions: s
                 head_keys = rope_rotate(head_keys, [r - made_at[j] for r, j in enumerate(kept)], inv_freq)
             layer_keys.append(head_keys)
             layer_values.append(torch.stack([values[layer][h][j] for j in kept] + pad))
-            blocked.append([False] * len(kept) + [True] * len(pad) + [False])  # the query's own key last
+            blocked.append([False] * len(kept) + [True] * len(pad) + [False] * new)  # the new keys last
         if any(any(row) for row in blocked):
-            _RAGGED_MASK[layer] = torch.zeros(len(blocked), longest + 1).masked_fill(
+            _RAGGED_MASK[layer] = torch.zeros(len(blocked), longest + new).masked_fill(
                 torch.tensor(blocked), -math.inf
             )
         cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
     return cache
 
 
-# padding of heads that hold fewer entries than the longest: layer -> additive mask [n_kv, M + 1]
+# padding of heads that hold fewer entries than the longest: layer -> additive mask [n_kv, M + new]
 _RAGGED_MASK: dict[int, torch.Tensor] = {}
 RAGGED_ATTENTION = "rmm_reference_ragged"
 
@@ -356,7 +361,8 @@ def gradient_utility(
     inv_freq = rope_frequencies(model.config) if spec.positions == "cache" else []
     m = len(retained[0][0])
     first = start if spec.positions == "original" else m
-    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq)
+    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, new=stop - start)
+    longest = max(len(kept) for per_head in retained for kept in per_head)
     scored = range(start, min(stop, tokens.numel() - 1))
     utilities = [[{s: {} for s in range(start, stop)} for _ in range(n_kv)] for _ in range(n_layers)]
     if not scored:
@@ -379,7 +385,8 @@ def gradient_utility(
         group = a.shape[0] // n_kv
         for h in range(n_kv):
             summed = utility[h * group : (h + 1) * group].sum(0)  # [Q, m + Q]
-            columns = retained[layer][h] + list(range(start, stop))
+            padding = [math.inf] * (longest - len(retained[layer][h]))  # a shorter head's padded slots
+            columns = retained[layer][h] + padding + list(range(start, stop))
             for i, s in enumerate(range(start, stop)):
                 utilities[layer][h][s] = {j: float(summed[i, c]) for c, j in enumerate(columns) if j <= s}
     return utilities
