@@ -348,7 +348,12 @@ def test_windowed_oracle_context_matches_reference(tiny_models, streams, arch, v
 
 # ---- budget allocation across heads and layers (docs/semantics.md) ----------------------------------
 ALLOCATIONS = ["adaptive", "pyramid"]
-ALLOCATION_CASES = [("h2o", {}), ("rmm", {"lag": 3}), ("rmm", {"lag": 3, "weight": "gradient"}), ("knorm", {})]
+ALLOCATION_CASES = [
+    ("h2o", {}),
+    ("rmm", {"lag": 3}),
+    ("rmm", {"lag": 3, "weight": "gradient"}),
+    ("knorm", {}),
+]
 
 
 def allocation_matrix():

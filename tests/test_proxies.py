@@ -32,7 +32,10 @@ BF16_TOKEN_NLL_ATOL = 0.05  # per-token |NLL difference| while the retained sets
 # accumulated attention sums (h2o) keep exactly the reference's sets in bf16:
 EXACT_SETS = ("full", "window", "streaming_llm", "random", "h2o")
 EXACT_MEAN_NLL_ATOL = 0.01  # |mean NLL (bf16) - mean NLL (fp32 reference)| per case
-EXACT_ARGMAX_AGREEMENT = 0.95  # fraction of tokens whose argmax (correct) agrees, per case
+# fraction of tokens whose argmax (correct) agrees, per case: bf16 flips near-tied logits even with the
+# reference's sets; measured down to 0.936 (random seed 3, GPT-NeoX, chunk 1, cache positions: 3 of 47
+# tokens, mean NLL difference 3e-4), stated as 0.93
+EXACT_ARGMAX_AGREEMENT = 0.93
 # rmm (its weights follow each token's argmax), tova (one query's attention) and the oracle rank
 # near-tied scores: one flipped tie changes every later set (eviction is permanent). Stated as
 # averages over the policy's cases:
