@@ -1,6 +1,6 @@
 """Ties defined, not left to rounding: on SmolLM2 over Shakespeare (repeated tokens give equal keys at
-layer 0), the engine's knorm, keydiff and lagkv keep exactly the reference's sets (slow: real model,
-token-by-token reference)."""
+layer 0), the engine's knorm, keydiff, lagkv and rmm with the gradient weight keep exactly the
+reference's sets (slow: real model, token-by-token reference)."""
 
 from __future__ import annotations
 
