@@ -41,7 +41,16 @@ from rmm.engine import StreamingEngine
 from rmm.files import atomic_write_text
 from rmm.integration import cache_keyword
 from rmm.lookahead import record_future
-from rmm.matrix import ARCHITECTURES, CASES, case_id, distinct_stream, ranks_keys, sampled_stream, tiny_model
+from rmm.matrix import (
+    ARCHITECTURES,
+    CASES,
+    case_id,
+    distinct_stream,
+    ranks_keys,
+    sampled_stream,
+    set_recorder,
+    tiny_model,
+)
 from rmm.models import config_from_architecture
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
@@ -74,12 +83,7 @@ def engine_run(model, tokens, name, params, chunk, positions) -> tuple[Any, dict
     """The engine's result and its retained sets R_now per boundary ([L][H] sorted position lists)."""
     policy = make_policy({"name": name, **params}, budget=MATRIX_BUDGET, chunk=chunk)
     policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=1024))
-    sets: dict[int, list] = {}
-
-    def hook(memory, now, evicted):
-        pos = memory.retained_positions().cpu()
-        sets[now] = [[sorted(p for p in head.tolist() if p >= 0) for head in layer] for layer in pos]
-
+    hook, sets = set_recorder()
     result = StreamingEngine(model, policy, positions=positions).stream(tokens, on_boundary=hook)
     return result, sets
 

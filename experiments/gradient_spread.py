@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from experiments.bench import CONF, load_tokens
 from rmm.engine import StreamingEngine
+from rmm.matrix import set_recorder
 from rmm.models import load_model
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
@@ -35,12 +36,7 @@ from rmm.reference import ReferenceSpec, reference_stream
 def engine_run(model, tokens: torch.Tensor, params: dict, budget: int, chunk: int, threads: int):
     """(nll [n-1], retained sets per query) of the engine at ``threads`` threads."""
     torch.set_num_threads(threads)
-    sets: dict[int, list] = {}
-
-    def hook(memory, now, evicted):
-        pos = memory.retained_positions()
-        sets[now] = [[sorted(p for p in head.tolist() if p >= 0) for head in layer] for layer in pos]
-
+    hook, sets = set_recorder()
     policy = make_policy({"name": "rmm", **params}, budget=budget, chunk=chunk)
     result = StreamingEngine(model, policy).stream(tokens, on_boundary=hook)
     return result.nll.double(), sets

@@ -18,7 +18,7 @@ from conftest import STREAM_LENGTH, record_max
 from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.lookahead import record_future
-from rmm.matrix import CASES, case_id, distinct_stream, ranks_keys, sampled_stream, tiny_model
+from rmm.matrix import CASES, case_id, distinct_stream, ranks_keys, sampled_stream, set_recorder, tiny_model
 from rmm.policies import POLICIES, PositionRule, ScorePolicy, make_policy
 from rmm.reference import POSITION_RULES, SCORE_POLICIES, ReferenceSpec, reference_attention, reference_stream
 
@@ -52,12 +52,7 @@ def run_engine(
 
 def retained_sets(model, tokens, name, params, **kwargs) -> tuple:
     """The engine's result and R_now per boundary as nested lists [L][H] of sorted positions."""
-    sets = {}
-
-    def hook(memory, now, evicted):
-        pos = memory.retained_positions()
-        sets[now] = [[sorted(p for p in head.tolist() if p >= 0) for head in layer] for layer in pos]
-
+    hook, sets = set_recorder()
     result = run_engine(model, tokens, name, params, on_boundary=hook, **kwargs)
     return result, sets
 

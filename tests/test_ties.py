@@ -10,6 +10,7 @@ from conftest import record_max
 from omegaconf import OmegaConf
 
 from rmm.engine import StreamingEngine
+from rmm.matrix import set_recorder
 from rmm.policies import make_policy
 from rmm.policies.base import significant
 from rmm.reference import ReferenceSpec, _significant, reference_stream
@@ -29,12 +30,7 @@ def test_significant_digits_agree_between_engine_and_reference() -> None:
 
 def engine_sets(model, tokens: torch.Tensor, policy) -> tuple:
     """The engine's result and its retained sets per boundary ([L][H] sorted position lists)."""
-    sets = {}
-
-    def hook(memory, now, evicted):
-        pos = memory.retained_positions()
-        sets[now] = [[sorted(p for p in head.tolist() if p >= 0) for head in layer] for layer in pos]
-
+    hook, sets = set_recorder()
     return StreamingEngine(model, policy).stream(tokens, on_boundary=hook), sets
 
 
