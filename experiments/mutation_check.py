@@ -65,7 +65,7 @@ MUTANTS = [
     Mutant(
         "no_sink_rerotation",
         "rmm/integration.py",
-        "sink_query = kv_memory.sink_query(q)",
+        "sink_query = kv_memory.sink_query(layer, q)",
         "sink_query = None",
         "streaming_llm with positions=cache: sinks seen without re-rotating the query to its rank",
     ),

@@ -84,8 +84,9 @@ def evaluate(
 
     Parameters
     ----------
-    model : any loaded Hugging Face causal LM with rotary positions (Llama, Mistral, Qwen2, SmolLM,
-        GPT-NeoX); its attention implementation is switched for the call and restored afterwards.
+    model : any loaded Hugging Face causal LM with rotary positions (docs/models.md lists which model
+        types run exactly and which are refused); its attention implementation is switched for the
+        call and restored afterwards. The engine checks itself on the model first (rmm/selfcheck.py).
     texts, tokenizer : documents as strings, tokenized as ``tokenizer(text).input_ids``; or
     token_ids : documents as token id sequences; or
     documents : :class:`rmm.data.Document` objects (e.g. from :func:`rmm.data.load_documents`).
@@ -116,7 +117,7 @@ def evaluate(
     device = next(model.parameters()).device
     # the engine switches the model's attention for each stream only, and restores it after
     engine = StreamingEngine(model, policy, positions=positions, scope=scope, allocation=allocation)
-    engine.check_stream(longest)
+    engine.self_check(max(docs, key=lambda doc: doc.tokens.numel()).tokens)  # before any scored token
     memory = PeakMemory(device)
     totals = stream_documents(engine, docs, reference, on_chunk=lambda totals, doc: _sampler(memory))
     tokens = pd.concat(totals.token_frames, ignore_index=True)
@@ -196,8 +197,14 @@ def stream_metrics(
         **segment_metrics(tokens),
         "peak_memory_bytes": memory.bytes(),
         "kv_cache_bytes": kv_cache_bytes(
-            budget, dims["n_layers"], dims["n_kv_heads"], dims["head_dim"], engine.dtype
+            budget,
+            dims["n_layers"],
+            dims["n_kv_heads"],
+            dims["head_dim"],
+            engine.dtype,
+            engine.windows,
         ),
+        **engine.self_check_metrics(),
         "reference_context": reference.context if reference else None,
         "reference_tau": reference.tau if reference else None,
         "policy": policy.name,

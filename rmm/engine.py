@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from rmm import integration
+from rmm import integration, selfcheck
 from rmm.memory import SlotMemory
-from rmm.models import describe_model
-from rmm.policies import Observation, Policy
+from rmm.models import UnsupportedModelError, describe_model
+from rmm.policies import Observation, Policy, ScorePolicy
 from rmm.policies.select import SCOPES, adaptive_floor, capacities, check_allocation, rule_keep, select
 from rmm.recording import RecordingPlan, recording_plan
 from rmm.rotary import Rotary
+from rmm.selfcheck import SelfCheck
 
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -73,6 +74,7 @@ class StreamingEngine:
             raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
         self.plan = recording_plan(policy, positions)
         integration.check_model(model, positions)
+        check_windows(model, policy, scope)
         dims = describe_model(model)
         self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
         if allocation != "uniform":  # R: the largest per-head capacity
@@ -93,24 +95,24 @@ class StreamingEngine:
             self.capacity = self.capacity.to(self.device)
         self.dtype = next(model.parameters()).dtype
         self.rotary = Rotary(model).to(self.device)
+        self.checked: SelfCheck | None = None
+        self.windows = integration.layer_windows(model)  # per layer: past entries its window shows, or None
 
-    def reach(self, n_tokens: int) -> int:
-        """The largest distance between a query and a key it may attend, in the model's positions."""
-        policy = self.policy
-        if policy.budget is None:
-            return n_tokens - 1
-        if self.positions == "cache":  # ranks: the oldest visible key is at most B positions back
-            return min(policy.budget, n_tokens - 1)
-        if self.plan.rule is not None:
-            keys = torch.arange(n_tokens)
-            visible = self.plan.rule(torch.tensor([n_tokens - 1]), keys)[0]
-            return n_tokens - 1 - int(keys[visible].min())
-        return n_tokens - 1  # a score-based policy may keep any past key
+    def self_check(self, tokens: torch.Tensor) -> SelfCheck:
+        """Check the engine on this model before the first scored token (:func:`rmm.selfcheck.self_check`)
+        with a probe from ``tokens`` [n] (the longest stream to come); refuses the model on a mismatch."""
+        if self.checked is None:
+            self.checked = selfcheck.self_check(self, tokens)
+        return self.checked
 
-    def check_stream(self, n_tokens: int) -> None:
-        """Refuse, before streaming, an ``n_tokens`` stream the model's attention would treat differently."""
-        what = f"policy {self.policy.name} with positions={self.positions} over {n_tokens} tokens"
-        integration.check_reach(self.model, self.reach(n_tokens), what)
+    def self_check_metrics(self) -> dict[str, float | int | None]:
+        """The self-check's figures for a run's metrics (None before it ran)."""
+        check = self.checked
+        return {
+            "self_check_tokens": None if check is None else check.probe_tokens,
+            "self_check_max_dnll": None if check is None else check.max_abs_dnll,
+            "self_check_s": None if check is None else check.wall_s,
+        }
 
     def chunks(self, n_tokens: int, plan: RecordingPlan) -> list[tuple[int, int]]:
         """(start, stop) of every forward pass. The first holds at most B tokens, so that a position
@@ -120,6 +122,15 @@ class StreamingEngine:
         first = step if self.policy.budget is None else min(step, self.policy.budget)
         starts = [0, *range(first, n_tokens, step)] if first < n_tokens else [0]
         return [(start, min(start + (first if start == 0 else step), n_tokens)) for start in starts]
+
+    def forward(self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One pass of the chunk ``tokens`` [Q] at ``position_ids`` [Q] over ``memory``: logits [Q, V]
+        (float32). The model's attention must be the bounded attention (:func:`rmm.integration.install`)."""
+        with integration.active(memory):
+            out = self.model(
+                input_ids=tokens[None], position_ids=position_ids[None], kv_memory=memory, use_cache=False
+            )
+        return out.logits[0].float()
 
     def new_memory(self, n_tokens: int, plan: RecordingPlan) -> SlotMemory:
         retained, chunk = plan.slots(n_tokens)
@@ -138,7 +149,7 @@ class StreamingEngine:
         n = tokens.numel()
         if n < 2:
             raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
-        self.check_stream(n)
+        self.self_check(tokens)
         with integration.install(self.model):
             return self._stream(tokens.to(self.device), observer, before_boundary, on_boundary, on_chunk)
 
@@ -164,16 +175,7 @@ class StreamingEngine:
             targets = tokens[start + 1 : start + 1 + n_scored]
             # autograd only for a policy that needs the gradient utility, and only for this pass
             with torch.enable_grad() if memory.track_gradient else contextlib.nullcontext():
-                logits = (
-                    self.model(
-                        input_ids=tokens[None, start:stop],
-                        position_ids=position_ids[None],
-                        kv_memory=memory,
-                        use_cache=False,
-                    )
-                    .logits[0]
-                    .float()
-                )  # [Q, V]
+                logits = self.forward(memory, tokens[start:stop], position_ids)  # [Q, V]
                 log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
                 token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
                 if memory.track_gradient:
@@ -199,11 +201,15 @@ class StreamingEngine:
             if stop < n:
                 key_pos = memory.chunk_key_pos()
                 if obs is not None:
+                    # entries a layer's own window hides from now on are gone: no policy ranks them
+                    valid = memory.alive(stop)
+                    obs.key_pos = key_pos = torch.where(valid, key_pos, -1)
                     scores = policy.score(memory.state_view(), obs, stop)
                     if before_boundary is not None:
                         before_boundary(memory, obs, stop, scores)
-                    valid, reduce = key_pos >= 0, policy.scope_reduce
-                    keep = select(scores, key_pos, valid, self.capacity, self.scope, reduce, self.floor)
+                    keep = select(
+                        scores, key_pos, valid, self.capacity, self.scope, policy.scope_reduce, self.floor
+                    )
                 else:
                     keep = rule_keep(plan.rule, stop, key_pos)
                 evicted = memory.compact(keep)
@@ -213,6 +219,27 @@ class StreamingEngine:
                 if on_boundary is not None:
                     on_boundary(memory, stop, evicted)
         return StreamResult(nll.float().cpu(), correct.cpu(), attended, age_sum, n_evicted)
+
+
+def check_windows(model: PreTrainedModel, policy: Policy, scope: str) -> None:
+    """Refuse what a model's own windows (sliding or chunked layers) and a score-based policy cannot do
+    together: one set shared across layers (``scope=global``), or a policy that reads entries further
+    back than a window keeps them (its ``lookback``)."""
+    windows = [w for w in integration.layer_windows(model) if w is not None]
+    if not windows or not isinstance(policy, ScorePolicy):
+        return
+    name = integration.describe(model)
+    if scope == "global":
+        raise UnsupportedModelError(
+            f"{name} has windowed layers, whose entries leave as the window passes, so one set cannot be "
+            "shared across all layers; use scope=head or scope=layer"
+        )
+    if min(windows) < policy.lookback:
+        raise UnsupportedModelError(
+            f"policy {policy.name} reads entries up to {policy.lookback} positions behind a boundary, but "
+            f"{name} has a layer that attends only {min(windows)} past positions; choose smaller "
+            "policy parameters (e.g. policy.partition) or another policy"
+        )
 
 
 def _outcomes(query_pos: torch.Tensor, nll: torch.Tensor, correct: torch.Tensor) -> dict[str, torch.Tensor]:

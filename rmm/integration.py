@@ -2,43 +2,100 @@
 
 The engine streams chunks through an unmodified Hugging Face causal LM. Every attention layer calls
 :func:`bounded_attention` (registered in transformers' ``AttentionInterface``), which reads and writes
-the layer's slots in the :class:`~rmm.memory.SlotMemory` passed down as the ``kv_memory`` keyword.
-Models need rotary position embeddings with the ``rotate_half`` convention (Llama, Mistral, Qwen2,
-SmolLM, GPT-NeoX with partial rotary); nothing model-specific is copied.
+the layer's slots in the :class:`~rmm.memory.SlotMemory` of the stream (the ``kv_memory`` keyword, or
+the memory made :func:`active` for models whose layers drop keywords). The model's masks reach it
+unevaluated: :func:`model_mask` is registered as the attention's ``AttentionMaskInterface``, so each
+layer hands over the model's own mask function (causal, sliding window, attention chunks), which the
+memory evaluates at original positions. Nothing model-specific is copied.
 
 Attention features the bounded attention reproduces: causal softmax attention with the model's own
-``scaling``, multi-head and grouped-query heads, RoPE (full or partial rotary; plain, ``linear``,
-``llama3`` and ``yarn`` frequencies; ``dynamic`` and ``longrope`` with original positions only), and a
-sliding window as long as no query can reach a key that far back. Anything else a model asks of its
-attention function (ALiBi, logit soft-capping, per-layer rotary frequencies, attention sinks, an unknown
-keyword) is refused with an error before any token is scored: :func:`check_model`, :func:`check_reach`
-and the keyword check in :func:`bounded_attention`.
+``scaling``, multi-head and grouped-query heads, sliding and chunked windows per layer type, attention
+logit soft-capping, learned attention sinks (``s_aux``), and RoPE of any per-layer kind that
+:mod:`rmm.rotary` knows (checked against the model by :mod:`rmm.selfcheck`). Anything else is refused
+with :class:`~rmm.models.UnsupportedModelError` before any token is scored: :func:`check_model` (the
+config), :func:`install` (the model must switch to the attention function), the call check in
+:func:`bounded_attention` (unknown keywords, masks not built through the interface, head shapes) and
+the self-check (:mod:`rmm.selfcheck`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
-from rmm.models import UnsupportedModelError, active_sliding_window
+from rmm.models import UnsupportedModelError
 
 if TYPE_CHECKING:
     from rmm.memory import SlotMemory
 
 ATTENTION_NAME = "rmm_bounded"
-# keywords transformers passes to attention functions that the bounded attention may ignore: the
-# engine supplies positions and masks itself and never uses the model's cache
-IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "is_causal"})
+# keywords transformers passes to attention functions that do not change what attention computes: the
+# engine supplies positions and masks itself and never uses the model's cache; the rest are flags for
+# other outputs (mixture-of-experts router logits, hidden states)
+IGNORED_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "is_causal",
+        "layer_idx",
+        "layer_type",
+    }
+)
 # model types that always use ALiBi (others say so with config.alibi or position_embedding_type)
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 # rope types whose frequencies change with the sequence length (transformers' dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+# layer types (config.layer_types) whose layers attend through the attention function
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+# the memory of the stream running now; the attention function reads it (kv_memory keyword or this)
+_ACTIVE: list[SlotMemory] = []
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """A layer's own window, as the model defines it: transformers' mask function (``mask_function``
+    of the model's causal, sliding or chunked mask) and the ``sliding_window`` keyword, evaluated at
+    original positions. Hashable: one per layer type and pass."""
+
+    mask_function: Callable | None
+    window: int | None
+
+    def __call__(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """bool [..., Q, S] for query_pos [Q] and key_pos [..., S] (original positions)."""
+        q, k = query_pos[:, None], key_pos[..., None, :]
+        visible = k <= q
+        if self.mask_function is not None:
+            visible = visible & torch.as_tensor(self.mask_function(0, 0, q, k), device=k.device)
+        if self.window is not None:
+            visible = visible & (q - k < self.window)
+        return visible
+
+
+@dataclass(frozen=True)
+class ModelMask:
+    """What the bounded attention receives as ``attention_mask``: the model's mask function, unevaluated
+    (:func:`model_mask` is registered in transformers' ``AttentionMaskInterface``)."""
+
+    mask_function: Callable
+
+
+def model_mask(*, mask_function: Callable = causal_mask_function, **kwargs) -> ModelMask:
+    """transformers' mask interface for the bounded attention: hand the mask function over as it is."""
+    return ModelMask(mask_function)
 
 
 def bounded_attention(
@@ -46,12 +103,13 @@ def bounded_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: ModelMask | torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
     kv_memory: SlotMemory | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention of a chunk's queries over the layer's retained slots plus the chunk itself.
@@ -60,27 +118,38 @@ def bounded_attention(
     ----------
     query : [1, n_heads, Q, head_dim], rotated by the model at the positions the engine passed.
     key, value : [1, n_kv_heads, Q, head_dim] for the chunk's tokens.
-    kv_memory : the engine's slot memory; required (the model must be driven by the engine).
-    sliding_window : the layer's window, already cleared by :func:`check_reach` before streaming.
-    softcap, kwargs : anything else must be None or in ``IGNORED_KWARGS``, else the call is refused.
+    attention_mask : the model's mask for this layer type (:class:`ModelMask`; None: plain causal).
+    kv_memory : the engine's slot memory (else the memory of the stream running now).
+    sliding_window : the layer's window W: keys W or more positions back are hidden.
+    softcap : attention logit soft-capping, logits -> softcap * tanh(logits / softcap).
+    s_aux : learned attention sinks [n_heads], one extra logit per head in the softmax's denominator.
+    kwargs : anything else must be None or in ``IGNORED_KWARGS``, else the call is refused.
 
     Returns
     -------
     attn_output : [1, Q, n_heads, head_dim]
     """
+    kv_memory = kv_memory or (_ACTIVE[-1] if _ACTIVE else None)
     if kv_memory is None:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' is only usable through rmm.engine.StreamingEngine")
-    _check_call(module, sliding_window, softcap, kwargs)
+    _check_call(module, query, key, value, kv_memory, attention_mask, kwargs)
     layer = module.layer_idx
+    mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
+    if mask_function is causal_mask_function:
+        mask_function = None
+    plain = mask_function is None and sliding_window is None
+    kv_memory.enter_layer(layer, None if plain else Visibility(mask_function, sliding_window))
     n_kv = key.shape[1]
     q = query[0].view(n_kv, -1, query.shape[2], query.shape[3])  # [H, G, Q, D]
+    if kv_memory.capture is not None:
+        kv_memory.capture(layer, q, key[0])
     keys, values = kv_memory.attend_keys_values(layer, key[0], value[0])  # [H, S, D] each
     allowed = kv_memory.allowed_mask(layer)  # [H or 1, Q, S] bool
-    sink_query = kv_memory.sink_query(q)  # [H, G, Q, D] or None (cache positions, sinks)
+    sink_query = kv_memory.sink_query(layer, q)  # [H, G, Q, D] or None (cache positions, sinks)
     if kv_memory.record_queries:
         kv_memory.store_queries(layer, q)
 
-    if not kv_memory.record_attention:
+    if not kv_memory.record_attention and softcap is None and s_aux is None:
         if sink_query is None:
             out = F.scaled_dot_product_attention(
                 q, keys[:, None], values[:, None], attn_mask=allowed[:, None], scale=scaling, enable_gqa=True
@@ -95,8 +164,15 @@ def bounded_attention(
                 torch.matmul(sink_query, keys[:, None, :n_sinks].transpose(-1, -2)).float() * scaling
             )
             logits[..., :n_sinks] = sink_logits
-        logits = logits.masked_fill(kv_memory.blocked_mask(layer)[:, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        blocked = kv_memory.blocked_mask(layer)
+        logits = logits.masked_fill((~allowed if blocked is None else blocked)[:, None], float("-inf"))
+        if s_aux is None:
+            probs = torch.softmax(logits, dim=-1)
+        else:  # one more logit per query head, whose probability is dropped
+            sinks = s_aux.float().view(n_kv, -1, 1, 1).expand(-1, -1, logits.shape[2], 1)
+            probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
         if kv_memory.record_attention:
             kv_memory.store_attention(layer, probs.sum(dim=1))  # GQA group summed: [H, Q, S]
         out = torch.matmul(probs.to(values.dtype), values[:, None])  # [H, G, Q, D]
@@ -168,46 +244,110 @@ def cache_keyword(model: PreTrainedModel) -> str:
 
 @contextlib.contextmanager
 def install(model: PreTrainedModel) -> Iterator[None]:
-    """``with install(model):`` register :func:`bounded_attention` and switch ``model`` to it for the
-    block; the model's previous attention implementation is restored on leaving it."""
+    """``with install(model):`` register :func:`bounded_attention` (and :func:`model_mask` as its mask
+    interface) and switch ``model`` to it for the block; the model's previous attention implementation
+    is restored on leaving it. A model that refuses the switch is refused."""
     AttentionInterface.register(ATTENTION_NAME, bounded_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, model_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
+    config = model.config.get_text_config()
+    if config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(previous)
+        raise UnsupportedModelError(
+            f"{describe(model)} did not switch to the attention function {ATTENTION_NAME!r} (it keeps "
+            f"{config._attn_implementation!r}), so the memory would never be read; this model is not "
+            "supported"
+        )
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
 
 
+@contextlib.contextmanager
+def active(memory: SlotMemory) -> Iterator[None]:
+    """``with active(memory):`` the bounded attention reads ``memory`` when no ``kv_memory`` keyword
+    reaches it (models whose layers drop keyword arguments)."""
+    _ACTIVE.append(memory)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def describe(model: PreTrainedModel) -> str:
+    """``ClassName (model_type)`` for messages."""
+    return f"{type(model).__name__} ({model.config.get_text_config().model_type})"
+
+
+def attention_layers(model: PreTrainedModel) -> list[int]:
+    """The layers that attend through the attention function: every layer, or those whose
+    ``config.layer_types`` entry is an attention type."""
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return list(range(config.num_hidden_layers))
+    return [i for i, kind in enumerate(layer_types) if kind in ATTENTION_LAYER_TYPES]
+
+
+def layer_windows(model: PreTrainedModel) -> list[int | None]:
+    """Per layer, the most past entries it can attend (W - 1 for a sliding window W, chunk - 1 for
+    attention chunks), None for a global layer. Read from the config: ``layer_types`` with
+    ``sliding_window`` / ``attention_chunk_size``, or one ``sliding_window`` for every layer."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    chunk = getattr(config, "attention_chunk_size", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return [None if window is None else int(window) - 1] * config.num_hidden_layers
+    reach = {"sliding_attention": window, "chunked_attention": chunk}
+    return [None if reach.get(kind) is None else int(reach[kind]) - 1 for kind in layer_types]
+
+
 def check_model(model: PreTrainedModel, positions: str) -> None:
     """Refuse, before streaming, a model whose attention the bounded attention would not reproduce.
 
-    Checks the (text) config and the rotary modules; the sliding window depends on the stream and is
-    checked by :func:`check_reach`. Raises :class:`UnsupportedModelError` naming the fix.
+    Reads the (text) config: ALiBi, bidirectional attention, multi-head latent attention, layers that
+    are not attention (recurrent or convolutional state), and length-dependent RoPE under cache
+    positions. Whatever the config does not say is found by :mod:`rmm.selfcheck` before the first
+    scored token. Raises :class:`UnsupportedModelError` naming the reason.
     """
     config = model.config.get_text_config()
-    name = f"{type(model).__name__} ({config.model_type})"
+    name = describe(model)
     alibi = getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi"
     if alibi or config.model_type in ALIBI_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{name} uses ALiBi position biases, which the bounded attention does not add; use a RoPE "
-            "model (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX)"
+            "model (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX, Gemma 3)"
         )
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
+    if getattr(config, "is_causal", True) is False:
+        raise UnsupportedModelError(f"{name} attends bidirectionally; the harness streams causal LMs only")
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "qk_rope_head_dim", None):
         raise UnsupportedModelError(
-            f"{name} soft-caps its attention logits (attn_logit_softcapping={softcap}), which the bounded "
-            "attention does not do; use a model without attention soft-capping (Llama, Mistral, Qwen2)"
+            f"{name} uses multi-head latent attention "
+            f"(kv_lora_rank={getattr(config, 'kv_lora_rank', None)}): "
+            "its keys and values have other head dimensions than its queries and only part of each key "
+            "is rotated, which the slot memory does not hold; this model is not supported"
         )
-    modules = _rotary_modules(model)
-    buffers = [m.inv_freq for m in modules if hasattr(m, "inv_freq")]
-    if any(b.shape != buffers[0].shape or not torch.equal(b, buffers[0]) for b in buffers[1:]):
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    other = sorted({kind for kind in layer_types if kind not in ATTENTION_LAYER_TYPES})
+    if other:
         raise UnsupportedModelError(
-            f"{name} uses different rotary frequencies in different layers; the bounded attention "
-            "re-rotates keys with one set of frequencies, so use a model with a single rotary embedding"
+            f"{name} has layers that are not attention ({', '.join(other)}): their recurrent or "
+            "convolutional state would restart at every chunk, because the engine runs the model without "
+            "its cache; this model is not supported"
         )
-    rope_types = {getattr(m, "rope_type", "default") for m in modules}
-    length_dependent = sorted(str(t) for t in rope_types if t in LENGTH_DEPENDENT_ROPE)
+    rope_types = set()
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        if isinstance(kinds, dict):
+            rope_types |= {str(v) for v in kinds.values()}
+        elif kinds is not None:
+            rope_types.add(str(kinds))
+    length_dependent = sorted(rope_types & LENGTH_DEPENDENT_ROPE)
     if positions == "cache" and length_dependent:
         raise UnsupportedModelError(
             f"{name} uses {length_dependent[0]} RoPE, whose frequencies change with the sequence length, so "
@@ -216,45 +356,40 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
         )
 
 
-def check_reach(model: PreTrainedModel, reach: int, what: str) -> None:
-    """Refuse a stream whose queries may attend keys ``reach`` positions back past the model's window.
-
-    A sliding window of W hides keys W or more positions back; the bounded attention does not apply it,
-    so it reproduces the model only while ``reach`` < W. ``what`` describes the stream for the message.
-    """
-    window = active_sliding_window(model.config)
-    if window is None or reach < window:
-        return
-    raise UnsupportedModelError(
-        f"{model.config.get_text_config().model_type} applies a sliding window of {window} positions (keys "
-        f"{window} or more positions back are invisible to it), but {what} lets a query attend keys up to "
-        f"{reach} positions back, which the bounded attention would not hide. Keep the reach below {window}: "
-        f"positions=cache with budget<={window - 1}, policy=window with budget<={window - 1}, or streams of "
-        f"at most {window} tokens (dataset.max_tokens<={window}; oracle.context<={window - 1} for a "
-        "reference pass)"
-    )
-
-
 def _check_call(
-    module: torch.nn.Module, sliding_window: int | None, softcap: float | None, kwargs: dict
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    memory: SlotMemory,
+    attention_mask: object,
+    kwargs: dict,
 ) -> None:
-    """Refuse attention keywords the bounded attention would otherwise drop silently."""
+    """Refuse a call the bounded attention would otherwise get wrong silently or crash on."""
+    name = type(module).__name__
     unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_KWARGS and v is not None)
-    if unknown or softcap is not None:
-        names = ", ".join(unknown + (["softcap"] if softcap is not None else []))
+    if unknown:
         raise UnsupportedModelError(
-            f"{type(module).__name__} passes {names} to its attention function, which the bounded attention "
-            "does not implement; use a supported model (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX) "
-            "or extend rmm/integration.py:bounded_attention"
+            f"{name} passes {', '.join(unknown)} to its attention function, which the bounded attention "
+            "does not implement; extend rmm/integration.py:bounded_attention"
         )
-    config = getattr(module, "config", None)
-    if sliding_window is not None and (config is None or active_sliding_window(config) != sliding_window):
+    if attention_mask is not None and not isinstance(attention_mask, ModelMask):
         raise UnsupportedModelError(
-            f"{type(module).__name__} applies a sliding window of {sliding_window} that its config does not "
-            "declare, so it was not checked before streaming; use a supported model or extend "
-            "rmm/models.py:active_sliding_window"
+            f"{name} builds its own attention mask ({type(attention_mask).__name__}) instead of asking "
+            "transformers' mask interface, so the bounded attention cannot tell what it hides"
         )
-
-
-def _rotary_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
-    return [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
+    layer = getattr(module, "layer_idx", None)
+    n_layers, n_kv, head_dim = memory.keys.shape[0], memory.keys.shape[1], memory.keys.shape[-1]
+    if not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise UnsupportedModelError(f"{name} has no layer index in [0, {n_layers}) (layer_idx={layer!r})")
+    if query.shape[0] != 1 or key.shape[1] != n_kv or query.shape[1] % n_kv:
+        raise UnsupportedModelError(
+            f"{name} hands attention {key.shape[1]} KV heads and {query.shape[1]} query heads, where the "
+            f"config gives {n_kv} KV heads; this model is not supported"
+        )
+    dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
+    if dims != {head_dim}:
+        raise UnsupportedModelError(
+            f"{name} hands attention query/key/value head dimensions {query.shape[-1]}/{key.shape[-1]}/"
+            f"{value.shape[-1]}, where the config gives {head_dim}; this model is not supported"
+        )

@@ -1,6 +1,7 @@
 """The reference matrix's ingredients, one copy for the test suite and the GPU check.
 
-Tiny random causal LMs of four architectures (built locally, no downloads), streams they partly
+Tiny random causal LMs of five architectures (one hybrid: a sliding and a global layer; built locally,
+no downloads), streams they partly
 predict, the policy cases every policy is checked in against :mod:`rmm.reference`, and the hook that
 records the engine's retained sets in the reference's form. The tests and ``experiments/gpu_check.py``
 import them from here.
@@ -12,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
@@ -38,9 +41,21 @@ ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
-# per-architecture differences: Mistral's own sliding window off; GPT-NeoX is multi-head with partial rotary
-SPECIFIC = {"mistral": {"sliding_window": None}, "gpt_neox": {"rotary_pct": 0.5}}
+SLIDING_WINDOW = 6  # the hybrid model's window: the matrix's 24-token streams outgrow it
+# per-architecture differences: Mistral's own sliding window off; GPT-NeoX is multi-head with partial rotary;
+# Gemma 3 is hybrid: a sliding layer (window 6, its own rotary frequencies) then a global one
+SPECIFIC = {
+    "mistral": {"sliding_window": None},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "gemma3": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+}
 FOLLOW_ARGMAX = 0.5  # a sampled stream takes the model's own argmax with this probability
 
 # (policy, parameters): every policy at least once, with the parameters that change its decisions

@@ -28,10 +28,15 @@ always hold detached tensors, so no graph outlives the chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rmm.recording import RecordingPlan
-from rmm.rotary import Rotary
+from rmm.rotary import Rotary, Table
+
+# a layer's own window: (query_pos [Q], key_pos [..., S]) -> bool [..., Q, S], hashable (one per layer type)
+LayerWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SlotMemory:
@@ -78,19 +83,33 @@ class SlotMemory:
         self._outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.record_queries = plan.record_queries
         self.queries: torch.Tensor | None = None  # [L, H, G, C, D] unrotated, allocated at the first store
-        self._query_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._query_table: Table | None = None
         self.n_sink_slots = plan.n_sink_slots
         self._rank_table = (
             rotary.table(torch.arange(retained, device=device)) if self.store_unrotated else None
         )
-        self._unrotate_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._unrotate_table: Table | None = None
+        # cache positions, heads holding different numbers of entries: per-head rank tables [L, H, R, .]
+        self._layer_ranks: Table | None = None
         # filled by begin_chunk
         self.query_pos = torch.empty(0, dtype=torch.long, device=device)
         self.model_pos = self.query_pos
         self._allowed = torch.empty(0, dtype=torch.bool, device=device)
         self._blocked: torch.Tensor | None = None  # ~allowed, for the eager path only
-        self._sink_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sink_table: Table | None = None
         self._other_bias: torch.Tensor | None = None  # sink slots and blocked -inf, else 0 (model dtype)
+        # the model's own window per layer (set by the attention function each pass; None: plain causal),
+        # and the masks of a windowed layer for this chunk: layer -> (allowed, blocked, other bias)
+        self._visible: dict[int, LayerWindow | None] = {}
+        self._layer_masks: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        self._shared_masks: dict[
+            LayerWindow, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+        ] = {}
+        self.calls = [0] * n_layers  # attention calls per layer since the memory was made
+        self.passes = 0  # forward passes (chunks) begun
+        # called by the attention function with (layer, query [H, G, Q, D], key [H, Q, D]) as the model
+        # produced them (the self-check reads the model's own rotation this way)
+        self.capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     # ---- chunk setup (engine) -------------------------------------------------------------------
     def begin_chunk(self, query_pos: torch.Tensor) -> torch.Tensor:
@@ -100,6 +119,9 @@ class SlotMemory:
         """
         n_q, end = query_pos.numel(), self.retained + query_pos.numel()
         self.query_pos = query_pos
+        self.passes += 1
+        self._layer_masks.clear()
+        self._shared_masks.clear()
         self.key_pos[:, :, self.retained :] = -1
         self.key_pos[:, :, self.retained : end] = query_pos
         for tensor in self.state.values():
@@ -122,9 +144,14 @@ class SlotMemory:
                 self._other_bias = torch.zeros(other.shape, dtype=self.keys.dtype, device=other.device)
                 self._other_bias.masked_fill_(~other, float("-inf"))
         if self.store_unrotated:
-            n_kept = int((self.key_pos[0, 0, : self.retained] >= 0).sum())
+            counts = (self.key_pos[:, :, : self.retained] >= 0).sum(dim=-1)  # [L, H]
+            n_kept = int(counts.max())
             self.model_pos = n_kept + torch.arange(n_q, device=query_pos.device)
             self._unrotate_table = self.rotary.table(-self.model_pos)
+            self._layer_ranks = None
+            if bool((counts != n_kept).any()):  # a head holding fewer entries: ranks end at n_kept - 1
+                offset = (n_kept - counts)[..., None] + torch.arange(self.retained, device=counts.device)
+                self._layer_ranks = self.rotary.table(offset)  # [L, H, R, rot_dim / 2] per rotation
         else:
             self.model_pos = query_pos
             if self.raw_keys is not None:
@@ -143,11 +170,16 @@ class SlotMemory:
         if not self.store_unrotated:
             self.keys[layer, :, self.retained : end] = key
             if self.raw_keys is not None:
-                self.raw_keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
+                self.raw_keys[layer, :, self.retained : end] = self.rotary.apply(
+                    key, self._unrotate_table, layer
+                )
             kept = self.keys[layer, :, : self.retained]
         else:
-            self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table)
-            kept = self.rotary.apply(self.keys[layer, :, : self.retained], self._rank_table)
+            self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table, layer)
+            ranks = self._rank_table
+            if self._layer_ranks is not None:
+                ranks = {key: (cos[layer], sin[layer]) for key, (cos, sin) in self._layer_ranks.items()}
+            kept = self.rotary.apply(self.keys[layer, :, : self.retained], ranks, layer)
         if self.track_gradient:  # the chunk's own keys and values keep the pass's graph
             chunk_values = torch.cat([self.values[layer, :, : self.retained], graph_value], dim=1)
             return torch.cat([kept, graph_key], dim=1), chunk_values
@@ -155,25 +187,60 @@ class SlotMemory:
             return self.keys[layer, :, :end], self.values[layer, :, :end]
         return torch.cat([kept, key], dim=1), self.values[layer, :, :end]
 
+    def enter_layer(self, layer: int, visible: LayerWindow | None) -> None:
+        """Called by the attention function once per layer and pass: counts the call and applies the
+        layer's own window ``visible`` (None: plain causal) to its masks for this chunk."""
+        self.calls[layer] += 1
+        self._visible[layer] = visible
+        if visible is None:
+            self._layer_masks.pop(layer, None)
+            return
+        shared = self._allowed.shape[0] == 1
+        if shared and visible in self._shared_masks:
+            self._layer_masks[layer] = self._shared_masks[visible]
+            return
+        base = self._allowed[0 if shared else layer]  # [H or 1, Q, S]
+        key_pos = self.key_pos[0 if shared else layer, : base.shape[0], : base.shape[-1]]
+        allowed = base & visible(self.query_pos, key_pos.clamp_min(0))
+        blocked = ~allowed if self._blocked is not None else None
+        bias = None
+        if self._other_bias is not None:
+            other = allowed.clone()
+            other[..., : self.n_sink_slots] = False
+            bias = torch.zeros(other.shape, dtype=self.keys.dtype, device=other.device)
+            bias.masked_fill_(~other, float("-inf"))
+        self._layer_masks[layer] = (allowed, blocked, bias)
+        if shared:
+            self._shared_masks[visible] = self._layer_masks[layer]
+
     def allowed_mask(self, layer: int) -> torch.Tensor:
         """bool [H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
+        if layer in self._layer_masks:
+            return self._layer_masks[layer][0]
         return self._allowed[0] if self._allowed.shape[0] == 1 else self._allowed[layer]
 
-    def blocked_mask(self, layer: int) -> torch.Tensor:
-        """The complement of :meth:`allowed_mask` (computed once per chunk)."""
+    def blocked_mask(self, layer: int) -> torch.Tensor | None:
+        """The complement of :meth:`allowed_mask` (computed once per chunk where the eager path or the
+        sinks need it; None otherwise)."""
+        if layer in self._layer_masks:
+            return self._layer_masks[layer][1]
+        if self._blocked is None:
+            return None
         return self._blocked[0] if self._blocked.shape[0] == 1 else self._blocked[layer]
 
     def other_slots_bias(self, layer: int) -> torch.Tensor:
         """Additive mask [H or 1, Q, R + Q] in the model's dtype: 0 where a query may attend a non-sink
         slot, -inf on the sink slots and wherever :meth:`allowed_mask` blocks (set with the sink table)."""
         assert self._other_bias is not None
+        if layer in self._layer_masks:
+            return self._layer_masks[layer][2]
         return self._other_bias[0] if self._other_bias.shape[0] == 1 else self._other_bias[layer]
 
-    def sink_query(self, query: torch.Tensor) -> torch.Tensor | None:
+    def sink_query(self, layer: int, query: torch.Tensor) -> torch.Tensor | None:
         """Queries [H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed."""
         if self._sink_table is None:
             return None
-        return self.rotary.apply(query, self._sink_table)
+        return self.rotary.apply(query, self._sink_table, layer)
 
     def store_attention(self, layer: int, probs: torch.Tensor) -> None:
         """Attention probabilities [H, Q, R + Q] of the chunk's queries, GQA group summed."""
@@ -215,7 +282,9 @@ class SlotMemory:
         if self.queries is None:
             n_heads, group, _, head_dim = query.shape
             self.queries = query.new_zeros(self.keys.shape[0], n_heads, group, self.chunk, head_dim)
-        self.queries[layer, :, :, : query.shape[2]] = self.rotary.apply(query.detach(), self._query_table)
+        self.queries[layer, :, :, : query.shape[2]] = self.rotary.apply(
+            query.detach(), self._query_table, layer
+        )
 
     # ---- statistics (engine) -------------------------------------------------------------------
     def chunk_attention(self) -> torch.Tensor:
@@ -258,7 +327,25 @@ class SlotMemory:
     def attended_total(self) -> float:
         """Past entries (itself excluded) attended by the chunk's queries, averaged over layers and
         heads, summed over queries."""
-        return float((self._allowed.sum(dim=-1) - 1).float().mean(dim=(0, 1)).sum())
+        if not self._layer_masks:
+            return float((self._allowed.sum(dim=-1) - 1).float().mean(dim=(0, 1)).sum())
+        counts = (self._allowed.sum(dim=-1) - 1).float()  # [L or 1, H or 1, Q]
+        counts = counts.expand(self.keys.shape[0], -1, -1).clone()
+        for layer, (allowed, *_) in self._layer_masks.items():
+            counts[layer] = (allowed.sum(dim=-1) - 1).float()
+        return float(counts.mean(dim=(0, 1)).sum())
+
+    def alive(self, now: int) -> torch.Tensor:
+        """bool [L, H, R + Q]: candidate slots holding an entry that some query from ``now`` on may still
+        attend under its layer's own window (a window or attention chunk hides a key from every later
+        query once it hides it from ``now``)."""
+        key_pos = self.chunk_key_pos()
+        valid = key_pos >= 0
+        now_pos = torch.tensor([now], device=key_pos.device)
+        for layer, visible in self._visible.items():
+            if visible is not None:
+                valid[layer] &= visible(now_pos, key_pos[layer].clamp_min(0))[..., 0, :]
+        return valid
 
     # ---- boundary (engine) ---------------------------------------------------------------------
     def compact(self, keep: torch.Tensor) -> torch.Tensor:

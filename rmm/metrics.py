@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,9 +105,20 @@ def segment_metrics(tokens: pd.DataFrame) -> dict[str, float | int]:
     return out
 
 
-def kv_cache_bytes(budget: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """B x layers x kv_heads x head_dim x 2 (K and V) x bytes per element."""
-    return budget * n_layers * n_kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
+def kv_cache_bytes(
+    budget: int,
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    windows: Sequence[int | None] = (),
+) -> int:
+    """B x layers x kv_heads x head_dim x 2 (K and V) x bytes per element; a windowed layer that attends at
+    most w past entries (``windows``: w per layer, None for a global layer) counts min(B, w) entries."""
+    entries = budget * n_layers
+    if windows:
+        entries = sum(budget if w is None else min(budget, w) for w in windows)
+    return entries * n_kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
 
 
 class PeakMemory:

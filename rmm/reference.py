@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask
 
 
 @dataclass
@@ -73,13 +73,48 @@ def model_shape(model: PreTrainedModel) -> tuple[int, int, int]:
     return config.num_hidden_layers, n_kv, head_dim
 
 
-def rope_frequencies(config) -> list[float]:
-    """Inverse frequencies (float64) of the rotated pairs, from the config's rope parameters.
+def layer_frequencies(config) -> list[list[float]]:
+    """Each layer's inverse frequencies: :func:`rope_frequencies` of its layer type where the config
+    keeps rope parameters per layer type (Gemma 3), else the same for every layer."""
+    layer_types = getattr(config, "layer_types", None) or []
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_types and all(kind in params for kind in layer_types):
+        return [rope_frequencies(config, kind) for kind in layer_types]
+    return [rope_frequencies(config)] * config.num_hidden_layers
+
+
+def layer_reach(config) -> list[tuple[str, int] | None]:
+    """Per layer, its own window from the config: ("sliding", W) (keys W or more positions back hidden),
+    ("chunked", C) (only keys in the query's own block of C positions), or None."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    chunk = getattr(config, "attention_chunk_size", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return [None if window is None else ("sliding", window)] * config.num_hidden_layers
+    reach = {"sliding_attention": ("sliding", window), "chunked_attention": ("chunked", chunk)}
+    return [reach[kind] if kind in reach and reach[kind][1] is not None else None for kind in layer_types]
+
+
+def visible(reach: tuple[str, int] | None, query: int, key: int) -> bool:
+    """Whether a layer with window ``reach`` lets ``query`` attend ``key`` (key <= query)."""
+    if reach is None:
+        return True
+    kind, size = reach
+    return query - key < size if kind == "sliding" else key // size == query // size
+
+
+def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
+    """Inverse frequencies (float64) of the rotated pairs, from the config's rope parameters (those of
+    ``layer_type`` where the config keeps them per layer type).
 
     Supports the rope types of the shipped models: ``default``, ``linear`` and ``llama3``, with partial
     rotary (``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``).
     """
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     partial = params.get(
@@ -152,8 +187,10 @@ def reference_pass(model: PreTrainedModel, tokens: torch.Tensor, context: int | 
     n_layers, n_kv, _ = model_shape(model)
     n = tokens.numel()
     if context is None or context >= n - 1:
+        previous = model.config._attn_implementation
         model.set_attn_implementation("eager")
         out = model(tokens[None], output_attentions=True, use_cache=False)
+        model.set_attn_implementation(previous)
         attention = torch.stack([a[0].double().view(n_kv, -1, n, n).sum(1) for a in out.attentions])
         log_probs = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
         nll = -log_probs.gather(-1, tokens[1:, None])[:, 0]
@@ -184,21 +221,32 @@ def reference_stream(
     """Returns (nll [n-1], correct [n-1]) decoding ``tokens`` [n] one at a time under ``spec``.
 
     Fills ``spec.retained_log`` (R_t for every query t) and, with ``record_attention``,
-    ``spec.attention_log``.
+    ``spec.attention_log``. The model's attention implementation is restored afterwards.
     """
+    previous = model.config._attn_implementation
+    try:
+        return _reference_stream(model, tokens, spec, record_attention)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _reference_stream(
+    model: PreTrainedModel, tokens: torch.Tensor, spec: ReferenceSpec, record_attention: bool
+):
     if spec.policy not in RULES:
         raise ValueError(f"reference has no rule for policy {spec.policy!r}")
     rule = RULES[spec.policy]
     n = tokens.numel()
     n_layers, n_kv, _ = model_shape(model)
-    inv_freq = rope_frequencies(model.config) if spec.positions == "cache" else []
-    if spec.allocation == "uniform":
+    inv_freq = layer_frequencies(model.config) if spec.positions == "cache" else []
+    reach = layer_reach(model.config)
+    if spec.allocation == "uniform" and not any(reach):
         model.set_attn_implementation("eager")
-    else:  # heads may hold different numbers of entries
-        if spec.positions != "original":
+    else:  # heads may hold different numbers of entries, or a layer's window hides some
+        if spec.allocation != "uniform" and spec.positions != "original":
             raise ValueError("the reference's non-uniform allocations need original positions")
         AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
-        AttentionMaskInterface.register(RAGGED_ATTENTION, eager_mask)  # causal masks as under eager
+        AttentionMaskInterface.register(RAGGED_ATTENTION, _causal_mask)
         model.set_attn_implementation(RAGGED_ATTENTION)
     retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t, sorted position lists
 
@@ -218,16 +266,17 @@ def reference_stream(
         "keys": per_head(),  # j -> key j as the model produced it (at made_at[j])
         "values": per_head(),
         "made_at": {},  # j -> the position key j was rotated at by the model
-        "inv_freq": rope_frequencies(model.config) if rule.reads_keys else [],
+        "inv_freq": layer_frequencies(model.config) if rule.reads_keys else [],
+        "reach": reach,
         "future": reference_pass(model, tokens, spec.context) if rule.reads_future else None,
     }
     keys, values, made_at = record["keys"], record["values"], record["made_at"]
     nll, correct = torch.zeros(n - 1), torch.zeros(n - 1, dtype=torch.bool)
     for t in range(n):
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
-        m = len(retained[0][0])
+        m = max(len(kept) for per_head in retained for kept in per_head)
         query_pos = t if spec.positions == "original" else m
-        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq)
+        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, reach, [t])
         out = model(
             tokens[None, t : t + 1],
             position_ids=torch.tensor([[query_pos]]),
@@ -258,6 +307,7 @@ def reference_stream(
                 summed = heads[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
                 summed = summed[: len(retained[layer][h])] + summed[-1:]  # without a ragged head's padding
                 seen = dict(zip(retained[layer][h] + [t], summed, strict=True))
+                seen = {j: a for j, a in seen.items() if visible(reach[layer], t, j)}  # the layer's window
                 rows.append(seen)
                 count, last_use = record["count"][layer][h], record["last_use"][layer][h]
                 attention_sum = record["attention_sum"][layer][h]
@@ -278,6 +328,10 @@ def reference_stream(
             break
         if rule.observe is not None:
             rule.observe(spec, record, t)
+        if rule.visible is None:  # a score rule never keeps what the layer's window hides from now on
+            for layer in range(n_layers):
+                for h in range(n_kv):
+                    retained[layer][h] = [j for j in retained[layer][h] if visible(reach[layer], now, j)]
         if rule.visible is not None:
             for layer in range(n_layers):
                 for h in range(n_kv):
@@ -288,14 +342,23 @@ def reference_stream(
 
 
 def _cache(
-    retained: list, keys: list, values: list, made_at: dict, positions: str, inv_freq: list, new: int = 1
+    retained: list,
+    keys: list,
+    values: list,
+    made_at: dict,
+    positions: str,
+    inv_freq: list,
+    reach: list,
+    queries: list[int],
 ):
-    """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty. With cache
-    positions every key moves from the position the model produced it at to its rank in R.
+    """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty, for a pass of
+    the queries ``queries`` (original positions). With cache positions every key moves from the position
+    the model produced it at to its rank: the query is at m, the largest |R| of any head, and key j at
+    m minus the number of entries its head holds at or after j (the usual rank when all heads hold m).
 
     Heads holding different numbers of entries (a non-uniform allocation) are padded with zero keys and
-    values to the longest, and :data:`_RAGGED_MASK` gives the padding -inf for the ``new`` tokens the
-    next forward pass appends (see :func:`_ragged_attention`).
+    values to the longest; :data:`_RAGGED_MASK` blocks the padding, and every key a layer's own window
+    hides from a query, for the pass (see :func:`_ragged_attention`).
     """
     _RAGGED_MASK.clear()
     longest = max(len(kept) for per_head in retained for kept in per_head)
@@ -308,23 +371,34 @@ def _cache(
             zero = torch.zeros_like(next(iter(keys[layer][h].values())))
             pad = [zero] * (longest - len(kept))
             head_keys = torch.stack([keys[layer][h][j] for j in kept] + pad)
-            if positions == "cache":  # key j moves to its rank
-                assert not pad, "cache positions need equal counts per head"
-                head_keys = rope_rotate(head_keys, [r - made_at[j] for r, j in enumerate(kept)], inv_freq)
+            if positions == "cache" and kept:  # key j moves to its rank
+                ranks = [longest - (len(kept) - i) for i in range(len(kept))]
+                shift = [r - made_at[j] for r, j in zip(ranks, kept, strict=True)] + [0.0] * len(pad)
+                head_keys = rope_rotate(head_keys, shift, inv_freq[layer])
             layer_keys.append(head_keys)
             layer_values.append(torch.stack([values[layer][h][j] for j in kept] + pad))
-            blocked.append([False] * len(kept) + [True] * len(pad) + [False] * new)  # the new keys last
-        if any(any(row) for row in blocked):
-            _RAGGED_MASK[layer] = torch.zeros(len(blocked), longest + new).masked_fill(
+            columns = kept + [None] * len(pad) + queries  # the pass's own keys last
+            blocked.append(
+                [[j is None or j > s or not visible(reach[layer], s, j) for j in columns] for s in queries]
+            )
+        if any(any(any(row) for row in rows) for rows in blocked):
+            _RAGGED_MASK[layer] = torch.zeros(len(blocked), len(queries), longest + len(queries)).masked_fill(
                 torch.tensor(blocked), -math.inf
             )
         cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
     return cache
 
 
-# padding of heads that hold fewer entries than the longest: layer -> additive mask [n_kv, M + new]
+# padding of heads that hold fewer entries than the longest, and keys a layer's window hides:
+# layer -> additive mask [n_kv, Q, M + Q] for a pass of Q queries
 _RAGGED_MASK: dict[int, torch.Tensor] = {}
 RAGGED_ATTENTION = "rmm_reference_ragged"
+
+
+def _causal_mask(**kwargs):
+    """Causal masks over cache indices as under eager; a layer's own window is in :data:`_RAGGED_MASK`,
+    at original positions (the model's window functions would read cache indices as positions)."""
+    return eager_mask(**{**kwargs, "mask_function": causal_mask_function})
 
 
 def _ragged_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -333,9 +407,9 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
     extra = _RAGGED_MASK.get(module.layer_idx)
     if extra is not None:
         group = query.shape[1] // extra.shape[0]
-        extra = extra.to(query.dtype).repeat_interleave(group, dim=0)[None, :, None, :]
+        extra = extra.to(query.dtype).repeat_interleave(group, dim=0)[None]
         attention_mask = extra if attention_mask is None else attention_mask + extra
-    return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def gradient_utility(
@@ -358,10 +432,11 @@ def gradient_utility(
     each KV head's group in float64. At chunk 1 this is the single query's own loss.
     """
     n_layers, n_kv, _ = model_shape(model)
-    inv_freq = rope_frequencies(model.config) if spec.positions == "cache" else []
-    m = len(retained[0][0])
+    inv_freq = layer_frequencies(model.config) if spec.positions == "cache" else []
+    m = max(len(kept) for per_head in retained for kept in per_head)
     first = start if spec.positions == "original" else m
-    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, new=stop - start)
+    reach = layer_reach(model.config)
+    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, reach, list(range(start, stop)))
     longest = max(len(kept) for per_head in retained for kept in per_head)
     scored = range(start, min(stop, tokens.numel() - 1))
     utilities = [[{s: {} for s in range(start, stop)} for _ in range(n_kv)] for _ in range(n_layers)]
@@ -567,7 +642,7 @@ def _unrotated(record, source: str, layer: int, h: int, j: int) -> list[float]:
     """Key j (rotated back from the position the model produced it at) or value j, in float64."""
     x = record[source][layer][h][j].double()
     if source == "keys":
-        x = rope_rotate(x[None], [-record["made_at"][j]], record["inv_freq"])[0]
+        x = rope_rotate(x[None], [-record["made_at"][j]], record["inv_freq"][layer])[0]
     return x.tolist()
 
 

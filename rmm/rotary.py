@@ -1,53 +1,202 @@
-"""Rotary position maths: rotations of keys and queries by arbitrary position offsets.
+"""Rotary position maths: rotations of keys and queries by arbitrary position offsets, per layer.
 
-RoPE rotates every frequency pair (i, i + rot_dim / 2) of a head vector by ``position * inv_freq[i]``
-(the ``rotate_half`` convention of Llama, Mistral, Qwen2, SmolLM and GPT-NeoX, whose partial rotary
-leaves the channels past ``rot_dim`` unrotated). Rotations compose, so a key rotated at ``p`` and then
-by ``delta`` is the key at ``p + delta``, and rotating by ``-p`` recovers the unrotated (pre-RoPE) key.
+RoPE rotates every frequency pair of a head vector by ``position * inv_freq[i]``. Two pairings exist:
+``half`` (channels i and i + rot_dim / 2: Llama, Mistral, Qwen2, SmolLM, GPT-NeoX, Gemma) and
+``interleaved`` (channels 2i and 2i + 1: Cohere, GLM, DeepSeek, Llama 4). Channels past ``rot_dim``
+(partial rotary) are left as they are, and a layer without positions (NoPE) is not rotated at all.
+Rotations compose, so a key rotated at ``p`` and then by ``delta`` is the key at ``p + delta``, and
+rotating by ``-p`` recovers the unrotated (pre-RoPE) key.
+
+Each layer has one :class:`Rotation`. The defaults are read from the model: the ``*inv_freq`` buffers
+of its rotary modules, one per layer type where the model keeps one per type (Gemma 3's sliding and
+global layers), ``half`` pairing. :meth:`Rotary.calibrate` then checks every layer against the model's
+own rotation (keys the model produced at positions p and p + delta) and picks, per layer, the
+candidate the model actually uses (any frequency buffer, either pairing, or none); a layer that no
+candidate reproduces is refused (:mod:`rmm.selfcheck` runs it before a stream).
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from rmm.models import UnsupportedModelError
 
+_BUFFER = re.compile(r"^(?:(?P<kind>\w+?)_)?inv_freq$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+# cos and sin of a rotation, per distinct rotation in use: rotation index -> ([..., P, half] each)
+Table = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """One way of rotating a head vector: ``inv_freq`` [rot_dim / 2] (empty: no rotation) and pairing."""
+
+    name: str
+    inv_freq: torch.Tensor
+    interleaved: bool = False
+
+    @property
+    def rot_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [..., P, head_dim] by angles with cos, sin [..., P, rot_dim / 2]."""
+        if not self.rot_dim:
+            return x
+        xf, rot = x.float(), self.rot_dim
+        if self.interleaved:
+            x1, x2 = xf[..., 0:rot:2], xf[..., 1:rot:2]
+            pairs = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+            return torch.cat([pairs, xf[..., rot:]], dim=-1).to(x.dtype)
+        half = rot // 2
+        x1, x2, rest = xf[..., :half], xf[..., half:rot], xf[..., rot:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+
 
 class Rotary:
-    """Rotations by arbitrary position offsets, using the model's own rotary frequencies.
+    """Rotations by arbitrary position offsets, with each layer's rotation.
 
     ``attention_scaling`` (YaRN, LongRoPE) is already applied once by the model and is deliberately
     not applied again.
     """
 
     def __init__(self, model: PreTrainedModel):
-        modules = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
-        if not modules or not hasattr(modules[0], "inv_freq"):
+        n_layers = model.config.get_text_config().num_hidden_layers
+        self.candidates, defaults = _candidates(model, n_layers)
+        if not self.candidates:
             raise UnsupportedModelError(
-                f"{type(model).__name__} has no rotary embedding module with `inv_freq`; "
-                "the harness supports RoPE models (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX)"
+                f"{type(model).__name__} has no rotary embedding module with an `inv_freq` buffer; "
+                "the harness supports RoPE models (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX, Gemma 3)"
             )
-        self.inv_freq = modules[0].inv_freq.detach().float()  # [rot_dim / 2]
-        self.rot_dim = 2 * self.inv_freq.numel()
+        self.layers: list[Rotation] = defaults  # the rotation of each layer
 
-    def table(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of a rotation by ``delta`` [..., P] positions: [..., P, rot_dim / 2] each."""
-        angles = delta.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq
-        return angles.cos(), angles.sin()
+    @property
+    def rot_dim(self) -> int:
+        """The rotated channels of the first rotated layer (0 when no layer is rotated)."""
+        return next((r.rot_dim for r in self.layers if r.rot_dim), 0)
 
-    def apply(self, x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate ``x`` [..., P, head_dim] by a precomputed :meth:`table` broadcastable to it."""
-        cos, sin = table
-        half = self.rot_dim // 2
-        xf = x.float()
-        x1, x2, rest = xf[..., :half], xf[..., half : self.rot_dim], xf[..., self.rot_dim :]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+    def table(self, delta: torch.Tensor) -> Table:
+        """cos and sin of a rotation by ``delta`` [..., P] positions for every rotation in use."""
+        table: Table = {}
+        for rotation in self.layers:
+            key = id(rotation)
+            if key not in table and rotation.rot_dim:
+                freq = rotation.inv_freq
+                angles = delta.to(freq.device, torch.float32)[..., None] * freq
+                table[key] = (angles.cos(), angles.sin())
+        return table
 
-    def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` [..., P, head_dim] by ``delta`` positions, ``delta`` broadcastable to [..., P]."""
-        return self.apply(x, self.table(delta))
+    def apply(self, x: torch.Tensor, table: Table, layer: int) -> torch.Tensor:
+        """Rotate ``x`` [..., P, head_dim] of ``layer`` by a precomputed :meth:`table`."""
+        rotation = self.layers[layer]
+        if not rotation.rot_dim:
+            return x
+        return rotation.apply(x, *table[id(rotation)])
+
+    def rotate(self, x: torch.Tensor, delta: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """Rotate ``x`` [..., P, head_dim] of ``layer`` by ``delta`` positions (broadcastable to [..., P])."""
+        return self.apply(x, self.table(delta), layer)
 
     def to(self, device: torch.device) -> Rotary:
-        self.inv_freq = self.inv_freq.to(device)
+        moved = {id(r): Rotation(r.name, r.inv_freq.to(device), r.interleaved) for r in self.candidates}
+        self.candidates = [moved[id(r)] for r in self.candidates]
+        self.layers = [
+            moved.get(id(r)) or Rotation(r.name, r.inv_freq.to(device), r.interleaved) for r in self.layers
+        ]
         return self
+
+    def calibrate(
+        self, before: dict[int, torch.Tensor], after: dict[int, torch.Tensor], delta: int, tolerance: float
+    ) -> dict[int, tuple[str, float]]:
+        """Choose each layer's rotation from the model's own: ``before`` and ``after`` map a layer to the
+        vectors [..., P, head_dim] the model produced at positions p and p + ``delta`` (same inputs).
+
+        A layer keeps its default rotation when it reproduces ``after`` within ``tolerance`` (relative
+        Frobenius error); otherwise the best candidate within it is taken. Layers absent from ``before``
+        keep their default. Returns layer -> (rotation name, relative error). Raises
+        :class:`UnsupportedModelError` when no candidate reproduces a layer.
+        """
+        found: dict[int, tuple[str, float]] = {}
+        for layer, x0 in before.items():
+            options = [self.layers[layer]] + [r for r in self._all() if r is not self.layers[layer]]
+            errors = []
+            for rotation in options:
+                if rotation.rot_dim > x0.shape[-1]:
+                    continue
+                error = _error(rotation, x0, after[layer], delta)
+                errors.append((error, rotation))
+                if error <= tolerance:
+                    break
+            error, best = min(errors, key=lambda e: e[0])
+            if error > tolerance:
+                names = ", ".join(f"{r.name} {e:.2g}" for e, r in sorted(errors, key=lambda e: e[0])[:3])
+                raise UnsupportedModelError(
+                    f"layer {layer}: no rotation the harness knows reproduces the model's own rotary "
+                    f"positions (relative errors: {names}; tolerance {tolerance:g}), so keys cannot be "
+                    "moved to other positions; use positions=original with a policy that does not read "
+                    "keys or queries"
+                )
+            self.layers[layer] = best
+            found[layer] = (best.name, error)
+        return found
+
+    def error(self, layer: int, before: torch.Tensor, after: torch.Tensor, delta: int) -> float:
+        """Relative error of ``layer``'s rotation by ``delta`` of ``before`` against ``after`` [..., P, D]."""
+        return _error(self.layers[layer], before, after, delta)
+
+    def _all(self) -> list[Rotation]:
+        """Every candidate: each frequency buffer in both pairings, and no rotation."""
+        out = []
+        for r in self.candidates:
+            out += [r, Rotation(f"{r.name}/interleaved", r.inv_freq, True)]
+        return out + [Rotation("none", self.candidates[0].inv_freq[:0])]
+
+
+def _error(rotation: Rotation, before: torch.Tensor, after: torch.Tensor, delta: int) -> float:
+    """||rotation(before, delta) - after|| / ||after|| (Frobenius, float32)."""
+    angles = float(delta) * rotation.inv_freq.to(before.device)
+    moved = rotation.apply(before.float(), angles.cos(), angles.sin())
+    after = after.float()
+    return float((moved - after).norm() / after.norm().clamp_min(1e-12))
+
+
+def _candidates(model: PreTrainedModel, n_layers: int) -> tuple[list[Rotation], list[Rotation]]:
+    """The model's frequency buffers as rotations, and each layer's default: the buffer of its own
+    rotary module (``layers.<i>.``) or of its layer type (``<type>_inv_freq``), else the first."""
+    config = model.config.get_text_config()
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    by_name: dict[str, Rotation] = {}
+    own: dict[int, Rotation] = {}
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            match = _BUFFER.match(buffer_name)
+            if match is None or "original" in buffer_name or buffer.numel() == 0:
+                continue
+            name = f"{module_name}.{buffer_name}"
+            rotation = Rotation(name, buffer.detach().float().flatten())
+            if any(
+                r.rot_dim == rotation.rot_dim and torch.equal(r.inv_freq, rotation.inv_freq)
+                for r in by_name.values()
+            ):
+                rotation = next(r for r in by_name.values() if torch.equal(r.inv_freq, rotation.inv_freq))
+            by_name.setdefault(name, rotation)
+            layer = _LAYER.search(f"{module_name}.")
+            if layer is not None:
+                own[int(layer.group(1))] = rotation
+            elif match.group("kind"):
+                for i, kind in enumerate(layer_types):
+                    if kind == match.group("kind"):
+                        own.setdefault(i, rotation)
+    candidates = list({id(r): r for r in by_name.values()}.values())
+    if not candidates:
+        return [], []
+    default = next(
+        (r for name, r in by_name.items() if _BUFFER.match(name.rsplit(".", 1)[-1]).group("kind") is None),
+        candidates[0],
+    )
+    return candidates, [own.get(i, default) for i in range(n_layers)]

@@ -114,7 +114,8 @@ def stream_documents(
         scope=cfg.scope,
         allocation=cfg.get("allocation", "uniform"),
     )
-    engine.check_stream(setup.longest)  # fail before the first document, not at the longest one
+    # check the engine on this model before the first scored token, with a probe from the longest document
+    engine.self_check(max(setup.docs, key=lambda doc: doc.tokens.numel()).tokens)
     memory = PeakMemory(setup.device)
     progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
     totals = api.stream_documents(
@@ -209,8 +210,9 @@ def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
     return changed
 
 
-# model.architecture records the checkpoint's shape (for the planner and proxies); the weights decide results
-_NOT_RESULTS = {"resume", "progress", "wandb", "model.architecture"}
+# model.architecture records the checkpoint's shape (for the planner and proxies); the weights decide results.
+# model.pip and model.assemble say how a gguf_package model is installed and its GGUF written, not what runs.
+_NOT_RESULTS = {"resume", "progress", "wandb", "model.architecture", "model.pip", "model.assemble"}
 # Config keys added after results were written: dotted key -> the value that gives the old results.
 # Add an entry with every new result-affecting config key, so that complete runs stay resumable.
 ADDED_KEY_DEFAULTS: dict[str, object] = {

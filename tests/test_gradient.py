@@ -122,9 +122,11 @@ def test_only_the_gradient_weight_enables_autograd(tiny_models, streams):
                 continue
             policy = make_policy({"name": name, **params}, budget=8, chunk=4)
             policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=1024))
-            modes.clear()  # the streaming passes only, not the oracle's reference pass
+            engine = StreamingEngine(model, policy)
+            engine.self_check(tokens)
+            modes.clear()  # the streaming passes only, not the oracle's reference pass or the self-check
             with torch.enable_grad():  # even when the caller has autograd on
-                StreamingEngine(model, policy).stream(tokens)
+                engine.stream(tokens)
             expected = params.get("weight") == "gradient"
             assert modes and all(mode == expected for mode in modes), (name, params)
     finally:

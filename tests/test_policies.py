@@ -22,7 +22,7 @@ from rmm.matrix import CASES, case_id, distinct_stream, ranks_keys, sampled_stre
 from rmm.policies import POLICIES, PositionRule, ScorePolicy, make_policy
 from rmm.reference import POSITION_RULES, SCORE_POLICIES, ReferenceSpec, reference_attention, reference_stream
 
-ARCHS = ["llama", "qwen2", "mistral", "gpt_neox"]
+ARCHS = ["llama", "qwen2", "mistral", "gpt_neox", "gemma3"]
 BUDGET = 8
 CHUNKS = [1, 4, 5]  # 5 leaves a partial last chunk of the 24-token streams
 POSITIONS = ["original", "cache"]
@@ -148,7 +148,8 @@ def test_sinks_through_the_additive_bias_match_reference(tiny_models, streams, a
 def matrix():
     """Every case on every architecture at every chunk. The fast loop (``-m "not slow"``) runs on Llama
     each policy's first case at chunks 1, 4 and 5 and its other cases at chunk 4, and on GPT-NeoX
-    (multi-head, partial rotary) each policy's first case at chunk 4 (at 1 where 4 does not fit); Qwen2
+    (multi-head, partial rotary) and Gemma 3 (a sliding layer the streams outgrow, a global layer, rotary
+    frequencies per layer type) each policy's first case at chunk 4 (at 1 where 4 does not fit); Qwen2
     and Mistral (Llama's attention and RoPE code paths) and the other chunks run in the slow suite.
     Chunk 4 kills the most mutants of experiments/mutation_check.py (full chunks of several queries)."""
     seen = set()
@@ -160,7 +161,7 @@ def matrix():
             one = max((chunk for chunk in chunks if chunk <= 4), default=None)  # the other cases' chunk
             for chunk in chunks:
                 fast = (arch == "llama" and (not variant or chunk == one)) or (
-                    arch == "gpt_neox" and not variant and chunk == one
+                    arch in ("gpt_neox", "gemma3") and not variant and chunk == one
                 )
                 yield pytest.param(
                     arch,

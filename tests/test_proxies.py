@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -102,20 +103,26 @@ def geometry_model(stem: str, n_layers: int = 2) -> torch.nn.Module:
 
 @pytest.mark.parametrize("stem", SHIPPED)
 def test_geometry_rotation_composes_over_the_context(stem):
-    """Re-rotating a key by d equals the model's own RoPE at p + d, anywhere in its context."""
-    model = geometry_model(stem, n_layers=1)
+    """Re-rotating a key by d equals the model's own RoPE at p + d, anywhere in its context (with each
+    layer type's RoPE where they differ: Gemma 3's sliding and global layers)."""
+    per_type = isinstance(OmegaConf.load(CONF_MODEL / f"{stem}.yaml").architecture.rope_theta, Mapping)
+    model = geometry_model(stem, n_layers=6 if per_type else 1)  # Gemma 3: 5 sliding layers, 1 global
     dims = describe_model(model)
     context = dims["max_position_embeddings"]
     x = torch.randn(1, dims["n_kv_heads"], 6, dims["head_dim"], generator=torch.Generator().manual_seed(0))
     p = torch.tensor([0, 7, 4095, context // 4, context // 2, context - 1])
     d = torch.tensor([5, context // 2, -4000, 3, -(context // 2) + 1, -(context - 1)])
     rope = model.model.rotary_emb
-    cos, sin = rope(x, p[None])
-    cos2, sin2 = rope(x, (p + d)[None])
     rotary = Rotary(model)
-    at_p = _model_rotate(x, cos, sin, rotary.rot_dim)
-    expected = _model_rotate(x, cos2, sin2, rotary.rot_dim)
-    torch.testing.assert_close(rotary.rotate(at_p[0], d), expected[0], atol=2e-2, rtol=0)
+    layer_types = list(model.config.layer_types) if per_type else [None]
+    for layer_type in dict.fromkeys(layer_types):
+        kind = {} if layer_type is None else {"layer_type": layer_type}
+        cos, sin = rope(x, p[None], **kind)
+        cos2, sin2 = rope(x, (p + d)[None], **kind)
+        at_p = _model_rotate(x, cos, sin, rotary.rot_dim)
+        expected = _model_rotate(x, cos2, sin2, rotary.rot_dim)
+        rotated = rotary.rotate(at_p[0], d, layer_types.index(layer_type))
+        torch.testing.assert_close(rotated, expected[0], atol=2e-2, rtol=0, msg=f"{stem} {layer_type}")
 
 
 def _model_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:

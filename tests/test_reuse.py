@@ -228,7 +228,7 @@ def test_labels_line_up_under_the_real_tokenizer(tmp_path) -> None:
     from rmm.models import _gguf_cache
 
     model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml")
-    tokenizer = AutoTokenizer.from_pretrained(_gguf_cache(model_cfg.package, model_cfg.gguf_file))
+    tokenizer = AutoTokenizer.from_pretrained(_gguf_cache(model_cfg))
     cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "dataset" / "reuse.yaml"))
     vocab = Vocabulary(tokenizer)
     for doc in load(cfg, tokenizer, tmp_path):

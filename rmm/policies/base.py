@@ -197,6 +197,12 @@ class ScorePolicy(Policy):
         """Number of most recent positions that are never ranked (a recent window); 0 by default."""
         return 0
 
+    @property
+    def lookback(self) -> int:
+        """How many positions behind the previous boundary :meth:`observe` reads entries' keys or values
+        (0: only what the chunk attended). A layer whose own window hides entries sooner is refused."""
+        return 0
+
     def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
         """Update ``state`` ([L, H, S] each) in place from the chunk's observation."""
 

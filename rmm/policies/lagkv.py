@@ -54,6 +54,12 @@ class LagKV(ScorePolicy):
         """The newest positions are unscored: between P and 2P - 1 of them (the upper bound)."""
         return 2 * self.partition - 1
 
+    @property
+    def lookback(self) -> int:
+        """A partition is scored with its successor once that one is whole: up to 2P - 1 positions
+        behind the previous boundary."""
+        return 2 * self.partition - 1
+
     def scored_partitions(self, tokens: int) -> int:
         """How many partitions are scored once ``tokens`` tokens have arrived (their successor is whole)."""
         return max(0, (tokens - self.sinks) // self.partition - 1)
@@ -66,8 +72,9 @@ class LagKV(ScorePolicy):
             return
         size = self.partition
         begin = self.sinks + first * size  # positions [begin, now) are all candidates: none was scored yet
-        n_valid = int((obs.key_pos[0, 0] >= 0).sum())
-        window = position_order(obs.key_pos)[..., n_valid - (now - begin) :][..., : (stop - first + 1) * size]
+        n_valid = (obs.key_pos >= 0).sum(dim=-1, keepdim=True)  # [L, H, 1]: a windowed layer holds fewer
+        first_slot = n_valid - (now - begin) + torch.arange((stop - first + 1) * size, device=n_valid.device)
+        window = torch.gather(position_order(obs.key_pos), -1, first_slot)
         total = _spread_softmax(obs.keys, window, size) + _spread_softmax(obs.values, window, size)
         state["lag_score"].scatter_(-1, window[..., : (stop - first) * size], total)
 

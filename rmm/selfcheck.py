@@ -1,0 +1,198 @@
+"""The run's self-check: before the first scored token the engine checks itself on the model it was given.
+
+A probe, the first tokens of the longest stream to come, goes through three checks:
+
+1. **Rotation** (only where the stream moves keys or queries to other positions: ``positions=cache``, a
+   policy that reads keys or queries, attention sinks re-rotated to their rank): one pass of the
+   probe's first :data:`ROTATION_TOKENS` tokens at positions p and one at p + :data:`ROTATION_SHIFT`
+   (same masks, unlimited memory); in every attention layer the keys (and queries, where the stream
+   moves them) of the second pass must be :class:`~rmm.rotary.Rotary`'s rotation of the first's.
+   :meth:`~rmm.rotary.Rotary.calibrate` picks each layer's rotation from the model's own candidates
+   (per-layer-type frequencies, either pairing, none for NoPE layers) and refuses a layer none reproduces.
+2. **Attention calls**: every attention layer (:func:`rmm.integration.attention_layers`) called the
+   bounded attention exactly once per pass, and no other layer did. A model that bypasses the
+   registered attention, or calls it twice in a layer, is refused.
+3. **Per-token NLL**: the probe streamed in :data:`PROBE_PASSES` passes with an unlimited budget, in
+   the run's own position mode and attention path (fused or eager), must equal the model's own forward
+   pass over the probe within :data:`TOLERANCE` (max |dNLL| per token). The probe is longer than the
+   longest window (sliding or chunked) that the stream can outgrow, so the windows are exercised.
+
+Any error raised while probing is turned into :class:`~rmm.models.UnsupportedModelError` naming the
+model type and what failed; so is every mismatch. Nothing is scored before this passes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from rmm import integration
+from rmm.memory import SlotMemory
+from rmm.models import UnsupportedModelError
+from rmm.recording import RecordingPlan
+from rmm.rotary import Rotary
+
+PROBE_TOKENS = 48  # the probe's length when no window needs a longer one
+PROBE_PASSES = 4  # forward passes the probe is streamed in
+ROTATION_TOKENS = 24
+ROTATION_SHIFT = 101
+# max |dNLL| per token against the model's own forward; relative error of a rotation (per layer)
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}
+ROTATION_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+
+
+class Checkable(Protocol):
+    """What the self-check uses of :class:`rmm.engine.StreamingEngine`."""
+
+    model: PreTrainedModel
+    plan: RecordingPlan
+    rotary: Rotary
+    dtype: torch.dtype
+    device: torch.device
+
+    def new_memory(self, n_tokens: int, plan: RecordingPlan) -> SlotMemory: ...
+
+    def forward(
+        self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class SelfCheck:
+    """What the self-check measured: probe length and passes, the largest |dNLL| against the model's own
+    forward (and its tolerance), each checked layer's rotation (name, relative error), wall time."""
+
+    probe_tokens: int
+    passes: int
+    max_abs_dnll: float
+    tolerance: float
+    rotations: dict[int, tuple[str, float]] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
+    """Run the three checks for ``engine`` with a probe from ``tokens`` [n]; refuse on any mismatch."""
+    model = engine.model
+    start = time.perf_counter()
+    try:
+        probe = tokens[: probe_length(engine, tokens.numel())].to(engine.device)
+        rotations = _check_rotation(engine, probe) if moves_positions(engine.plan) else {}
+        max_dnll, passes = _check_stream(engine, probe)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{integration.describe(model)} failed the self-check: {err}") from err
+    except Exception as err:  # anything the probe trips over is a refusal, never a crash mid-run
+        raise UnsupportedModelError(
+            f"{integration.describe(model)} failed the self-check: streaming the probe raised "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    tolerance = TOLERANCE.get(engine.dtype, 1e-4)
+    if not max_dnll <= tolerance:
+        raise UnsupportedModelError(
+            f"{integration.describe(model)} failed the self-check: the probe streamed with an unlimited "
+            f"budget gives per-token NLL up to {max_dnll:.3g} nats from the model's own forward pass "
+            f"(tolerance {tolerance:g}), so the bounded attention does not reproduce this model's attention"
+        )
+    return SelfCheck(probe.numel(), passes, max_dnll, tolerance, rotations, time.perf_counter() - start)
+
+
+def probe_length(engine: Checkable, n_tokens: int) -> int:
+    """Tokens in the probe: :data:`PROBE_TOKENS`, or one more pass beyond the longest window that a
+    stream of ``n_tokens`` outgrows; never more than the stream."""
+    windows = [w for w in integration.layer_windows(engine.model) if w is not None and w < n_tokens]
+    length = max([PROBE_TOKENS] + [w + max(w // PROBE_PASSES, 8) for w in windows])
+    return min(n_tokens, length)
+
+
+def moves_positions(plan: RecordingPlan) -> bool:
+    """Whether a stream under ``plan`` rotates keys or queries to positions other than the model's."""
+    return plan.store_unrotated or plan.raw_keys or plan.record_queries or plan.n_sink_slots > 0
+
+
+def _unlimited(plan: RecordingPlan, chunk: int, **changes) -> RecordingPlan:
+    """``plan`` with every entry kept: no capacity, no position rule, no sinks, no gradient."""
+    rule = None if plan.rule is None else _everything
+    return replace(
+        plan, rule=rule, capacity=None, n_sink_slots=0, track_gradient=False, decision_chunk=chunk, **changes
+    )
+
+
+def _everything(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    return (key_pos[..., None, :] >= -1).expand(*key_pos.shape[:-1], query_pos.numel(), key_pos.shape[-1])
+
+
+def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[float, int]:
+    """(max |dNLL| against the model's own forward, passes); checks the attention calls."""
+    model, n = engine.model, probe.numel()
+    with torch.no_grad():
+        own = torch.log_softmax(model(input_ids=probe[None], use_cache=False).logits[0].float(), dim=-1)
+    own_nll = -own[:-1].gather(-1, probe[1:, None])[:, 0]
+    step = max(1, -(-n // PROBE_PASSES))
+    plan = _unlimited(engine.plan, step)
+    memory = engine.new_memory(n, plan)
+    nll = torch.empty(n - 1, device=engine.device)
+    with torch.no_grad(), integration.install(model):
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            position_ids = memory.begin_chunk(torch.arange(start, stop, device=engine.device))
+            logits = engine.forward(memory, probe[start:stop], position_ids)
+            scored = min(stop, n - 1) - start
+            log_probs = torch.log_softmax(logits[:scored], dim=-1)
+            nll[start : start + scored] = -log_probs.gather(-1, probe[start + 1 : start + 1 + scored, None])[
+                :, 0
+            ]
+            if stop < n:
+                memory.compact(memory.alive(stop) if plan.rule is None else memory.chunk_key_pos() >= 0)
+    _check_calls(engine, memory.calls, memory.passes)
+    return float((nll - own_nll).abs().max()), memory.passes
+
+
+def _check_calls(engine: Checkable, calls: list[int], passes: int) -> None:
+    expected = set(integration.attention_layers(engine.model))
+    wrong = {
+        layer: count for layer, count in enumerate(calls) if count != (passes if layer in expected else 0)
+    }
+    if wrong:
+        shown = ", ".join(f"layer {layer}: {count}" for layer, count in list(wrong.items())[:4])
+        raise UnsupportedModelError(
+            f"its attention layers must call the bounded attention once per forward pass ({passes} passes, "
+            f"{len(expected)} attention layers), but the calls were {shown}"
+            f"{' ...' if len(wrong) > 4 else ''}: "
+            "the model bypasses the registered attention function or calls it more than once per layer"
+        )
+
+
+def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[str, float]]:
+    """Calibrate and check the engine's per-layer rotations against the model's own."""
+    n = min(probe.numel(), ROTATION_TOKENS)
+    plan = _unlimited(
+        engine.plan, n, store_unrotated=False, raw_keys=False, record_queries=False, record_attention=False
+    )
+    captured = []
+    for shift in (0, ROTATION_SHIFT):
+        keys, queries = {}, {}
+        memory = engine.new_memory(n, plan)
+        memory.capture = lambda layer, q, k, keys=keys, queries=queries: (
+            keys.__setitem__(layer, k.detach().clone()),
+            queries.__setitem__(layer, q.detach().clone()),
+        )
+        with torch.no_grad(), integration.install(engine.model):
+            position_ids = memory.begin_chunk(torch.arange(n, device=engine.device))
+            engine.forward(memory, probe[:n], position_ids + shift)
+        captured.append((keys, queries))
+    (keys0, queries0), (keys1, queries1) = captured
+    tolerance = ROTATION_TOLERANCE.get(engine.dtype, 1e-3)
+    found = engine.rotary.calibrate(keys0, keys1, ROTATION_SHIFT, tolerance)
+    if engine.plan.record_queries or engine.plan.n_sink_slots:
+        for layer in queries0:
+            error = engine.rotary.error(layer, queries0[layer], queries1[layer], ROTATION_SHIFT)
+            if error > tolerance:
+                raise UnsupportedModelError(
+                    f"layer {layer}'s queries at shifted positions are not its rotation of the same queries "
+                    f"(relative error {error:.3g}, tolerance {tolerance:g}): the model changes queries with "
+                    "their position beyond RoPE; use positions=original with a policy that reads no queries"
+                )
+    return found
