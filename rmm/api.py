@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from rmm.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
 from rmm.data import Document
-from rmm.engine import ChunkHook, StreamingEngine
+from rmm.engine import ChunkHook, StreamingEngine, layer_entries
 from rmm.future import FutureRequests
 from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
 from rmm.memory import SlotMemory
@@ -75,6 +75,7 @@ def evaluate(
     positions: str = "original",
     scope: str = "head",
     allocation: str = "uniform",
+    layers: str = "all",
     max_tokens: int | None = None,
     oracle_tau: float = 0.02,
     oracle_context: int | None = None,
@@ -95,6 +96,8 @@ def evaluate(
     budget : B, retained past entries per (layer, KV head); None for no bound.
     chunk, positions, scope : C, ``original`` | ``cache``, ``head`` | ``layer`` | ``global``.
     allocation : ``uniform`` | ``adaptive`` | ``pyramid``, the budget across heads and layers.
+    layers : ``all`` (the policy decides in every layer) | ``global`` (only in global layers; windowed
+        layers of a hybrid model keep what their own window shows).
     max_tokens : cut every document to its first ``max_tokens`` tokens.
     oracle_tau, oracle_context : the reference pass of the oracle policies (request threshold, window).
 
@@ -116,7 +119,9 @@ def evaluate(
         reference = ReferenceRunner(model, oracle_tau, context)
     device = next(model.parameters()).device
     # the engine switches the model's attention for each stream only, and restores it after
-    engine = StreamingEngine(model, policy, positions=positions, scope=scope, allocation=allocation)
+    engine = StreamingEngine(
+        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers
+    )
     engine.self_check(max(docs, key=lambda doc: doc.tokens.numel()).tokens)  # before any scored token
     memory = PeakMemory(device)
     totals = stream_documents(engine, docs, reference, on_chunk=lambda totals, doc: _sampler(memory))
@@ -129,6 +134,7 @@ def evaluate(
         "positions": positions,
         "scope": scope,
         "allocation": allocation,
+        "layers": layers,
         "max_tokens": max_tokens,
         "oracle": {"tau": oracle_tau, "context": oracle_context},
         "model": getattr(model.config, "name_or_path", None) or type(model).__name__,
@@ -196,13 +202,12 @@ def stream_metrics(
         **summarize(totals),
         **segment_metrics(tokens),
         "peak_memory_bytes": memory.bytes(),
-        "kv_cache_bytes": kv_cache_bytes(
-            budget,
-            dims["n_layers"],
+        **kv_cache_bytes(
+            layer_entries(budget, engine.windows, engine.plan.exempt),
+            engine.windows,
             dims["n_kv_heads"],
             dims["head_dim"],
             engine.dtype,
-            engine.windows,
         ),
         **engine.self_check_metrics(),
         "reference_context": reference.context if reference else None,
@@ -214,6 +219,7 @@ def stream_metrics(
         "positions": engine.positions,
         "scope": engine.scope,
         "allocation": engine.allocation,
+        "layers": engine.layers,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
     }

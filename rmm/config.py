@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 POSITIONS = ("original", "cache")
 SCOPES = ("head", "layer", "global")
 ALLOCATIONS = ("uniform", "adaptive", "pyramid")  # as rmm.policies.select.ALLOCATIONS
+LAYERS = ("all", "global")  # as rmm.engine.LAYERS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -69,6 +70,11 @@ def check_config(cfg: Mapping[str, Any]) -> None:
     allocation = cfg.get("allocation", "uniform")
     if allocation not in ALLOCATIONS:
         raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+    layers = cfg.get("layers", "all")
+    if layers not in LAYERS:
+        raise ValueError(f"layers must be one of {LAYERS}, got {layers!r}")
+    if layers == "global" and allocation != "uniform":
+        raise ValueError(f"layers=global needs allocation=uniform, got allocation={allocation}")
     _positive_int(cfg["budget"], "budget", nullable=True)
     _positive_int(cfg["chunk"], "chunk")
     if cfg["budget"] is not None and cfg["chunk"] > cfg["budget"]:

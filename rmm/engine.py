@@ -23,6 +23,7 @@ from rmm.recording import RecordingPlan, recording_plan
 from rmm.rotary import Rotary
 from rmm.selfcheck import SelfCheck
 
+LAYERS = ("all", "global")  # as rmm.config.LAYERS, which checks configs without torch
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 # called before each decision of a score-based policy:
@@ -66,21 +67,26 @@ class StreamingEngine:
         positions: str = "original",
         scope: str = "head",
         allocation: str = "uniform",
+        layers: str = "all",
     ):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         check_allocation(allocation, scope, positions, policy)
+        check_layers(layers, allocation)
         if allocation != "uniform" and policy.budget is None:
             raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
         self.plan = recording_plan(policy, positions)
         integration.check_model(model, positions)
-        check_windows(model, policy, scope)
+        self.windows = integration.layer_windows(model)  # per layer: past entries its window shows, or None
+        check_windows(model, self.windows, policy, scope)
         dims = describe_model(model)
         self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
         if allocation != "uniform":  # R: the largest per-head capacity
             self.plan = recording_plan(policy, positions, allocation, self.shape[:2])
+        if layers == "global" and policy.budget is not None:
+            self.plan = self.plan.exempting(self.windows)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
-        self.allocation = allocation
+        self.allocation, self.layers = allocation, layers
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
         self.capacity: int | torch.Tensor | None = None
         self.floor: int | None = None
@@ -91,12 +97,14 @@ class StreamingEngine:
             elif allocation == "adaptive":
                 self.floor = adaptive_floor(policy.capacity)
         self.device = next(model.parameters()).device
+        if self.plan.exempt and self.capacity is not None:  # a windowed layer keeps all its window shows
+            per_layer = torch.tensor([self.plan.capacity if e else policy.capacity for e in self.plan.exempt])
+            self.capacity = per_layer[:, None].expand(self.shape[:2]).clone()
         if isinstance(self.capacity, torch.Tensor):
             self.capacity = self.capacity.to(self.device)
         self.dtype = next(model.parameters()).dtype
         self.rotary = Rotary(model).to(self.device)
         self.checked: SelfCheck | None = None
-        self.windows = integration.layer_windows(model)  # per layer: past entries its window shows, or None
 
     def self_check(self, tokens: torch.Tensor) -> SelfCheck:
         """Check the engine on this model before the first scored token (:func:`rmm.selfcheck.self_check`)
@@ -212,6 +220,9 @@ class StreamingEngine:
                     )
                 else:
                     keep = rule_keep(plan.rule, stop, key_pos)
+                    if plan.exempt:  # layers the rule leaves alone keep what their window shows
+                        exempt = torch.tensor(plan.exempt, device=keep.device)[:, None, None]
+                        keep = torch.where(exempt, memory.alive(stop), keep)
                 evicted = memory.compact(keep)
                 evicted_pos = evicted[evicted >= 0]
                 age_sum += float((stop - evicted_pos).sum())
@@ -221,11 +232,33 @@ class StreamingEngine:
         return StreamResult(nll.float().cpu(), correct.cpu(), attended, age_sum, n_evicted)
 
 
-def check_windows(model: PreTrainedModel, policy: Policy, scope: str) -> None:
+def check_layers(layers: str, allocation: str) -> None:
+    """``layers``: ``all`` (the policy decides in every layer) or ``global`` (only in global layers)."""
+    if layers not in LAYERS:
+        raise ValueError(f"layers must be one of {LAYERS}, got {layers!r}")
+    if layers == "global" and allocation != "uniform":
+        raise ValueError(
+            "layers=global keeps the windowed layers out of the policy's budget, which "
+            f"allocation={allocation} spreads over every layer: use allocation=uniform, or layers=all"
+        )
+
+
+def layer_entries(budget: int, windows: list[int | None], exempt: tuple[bool, ...]) -> list[int]:
+    """Past entries each layer holds at most: B, or min(B, w) for a layer whose window shows w past entries
+    (its budget beyond w is never used), or w for a windowed layer the policy leaves alone."""
+    return [
+        budget if w is None else (w if exempt and exempt[layer] else min(budget, w))
+        for layer, w in enumerate(windows)
+    ]
+
+
+def check_windows(
+    model: PreTrainedModel, layer_windows: list[int | None], policy: Policy, scope: str
+) -> None:
     """Refuse what a model's own windows (sliding or chunked layers) and a score-based policy cannot do
     together: one set shared across layers (``scope=global``), or a policy that reads entries further
     back than a window keeps them (its ``lookback``)."""
-    windows = [w for w in integration.layer_windows(model) if w is not None]
+    windows = [w for w in layer_windows if w is not None]
     if not windows or not isinstance(policy, ScorePolicy):
         return
     name = integration.describe(model)

@@ -128,7 +128,9 @@ class SlotMemory:
             tensor[:, :, self.retained :] = 0
         key_pos = self.key_pos[:, :, :end]
         if self.plan.rule is not None:
-            shared = key_pos[:1, :1]  # position rules give every layer and head the same set
+            # position rules give every layer and head they apply to the same set
+            ruled = next((layer for layer, exempt in enumerate(self.plan.exempt) if not exempt), 0)
+            shared = key_pos[ruled : ruled + 1, :1]
             allowed = (shared[..., None, :] >= 0) & (shared[..., None, :] <= query_pos[:, None])
             self._allowed = allowed & self.plan.rule(query_pos, shared)
         else:
@@ -196,11 +198,14 @@ class SlotMemory:
             self._layer_masks.pop(layer, None)
             return
         shared = self._allowed.shape[0] == 1
-        if shared and visible in self._shared_masks:
-            self._layer_masks[layer] = self._shared_masks[visible]
+        exempt = bool(self.plan.exempt) and self.plan.exempt[layer]
+        if shared and (visible, exempt) in self._shared_masks:
+            self._layer_masks[layer] = self._shared_masks[visible, exempt]
             return
         base = self._allowed[0 if shared else layer]  # [H or 1, Q, S]
-        key_pos = self.key_pos[0 if shared else layer, : base.shape[0], : base.shape[-1]]
+        key_pos = self.key_pos[layer if exempt else 0 if shared else layer, : base.shape[0], : base.shape[-1]]
+        if exempt:  # no position rule: the layer's own window decides
+            base = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= self.query_pos[:, None])
         allowed = base & visible(self.query_pos, key_pos.clamp_min(0))
         blocked = ~allowed if self._blocked is not None else None
         bias = None
@@ -211,7 +216,7 @@ class SlotMemory:
             bias.masked_fill_(~other, float("-inf"))
         self._layer_masks[layer] = (allowed, blocked, bias)
         if shared:
-            self._shared_masks[visible] = self._layer_masks[layer]
+            self._shared_masks[visible, exempt] = self._layer_masks[layer]
 
     def allowed_mask(self, layer: int) -> torch.Tensor:
         """bool [H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
@@ -237,8 +242,9 @@ class SlotMemory:
         return self._other_bias[0] if self._other_bias.shape[0] == 1 else self._other_bias[layer]
 
     def sink_query(self, layer: int, query: torch.Tensor) -> torch.Tensor | None:
-        """Queries [H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed."""
-        if self._sink_table is None:
+        """Queries [H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed (and
+        in a layer the policy leaves alone, which holds no sinks)."""
+        if self._sink_table is None or (self.plan.exempt and self.plan.exempt[layer]):
             return None
         return self.rotary.apply(query, self._sink_table, layer)
 

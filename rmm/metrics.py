@@ -106,19 +106,23 @@ def segment_metrics(tokens: pd.DataFrame) -> dict[str, float | int]:
 
 
 def kv_cache_bytes(
-    budget: int,
-    n_layers: int,
+    entries: Sequence[int],
+    windows: Sequence[int | None],
     n_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
-    windows: Sequence[int | None] = (),
-) -> int:
-    """B x layers x kv_heads x head_dim x 2 (K and V) x bytes per element; a windowed layer that attends at
-    most w past entries (``windows``: w per layer, None for a global layer) counts min(B, w) entries."""
-    entries = budget * n_layers
-    if windows:
-        entries = sum(budget if w is None else min(budget, w) for w in windows)
-    return entries * n_kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
+) -> dict[str, int]:
+    """``kv_cache_bytes``: the past entries each layer holds at most (``entries``, per layer) x kv_heads x
+    head_dim x 2 (K and V) x bytes per element; for a model with windowed layers (``windows``: per layer
+    the past entries its window shows, None for a global layer) also the part of the global and of the
+    windowed layers (``kv_cache_bytes_global``, ``kv_cache_bytes_windowed``)."""
+    per_entry = n_kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
+    out = {"kv_cache_bytes": sum(entries) * per_entry}
+    if any(w is not None for w in windows):
+        windowed = sum(e for e, w in zip(entries, windows, strict=True) if w is not None)
+        out["kv_cache_bytes_global"] = (sum(entries) - windowed) * per_entry
+        out["kv_cache_bytes_windowed"] = windowed * per_entry
+    return out
 
 
 class PeakMemory:

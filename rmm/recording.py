@@ -45,6 +45,8 @@ class RecordingPlan:
         (cache positions, a position rule with attention sinks); 0 otherwise.
     sink_rank : B, the largest rank of a query under cache positions (read when n_sink_slots > 0).
     state_names : the policy's per-slot statistics [L, H, S], moved with the slots.
+    exempt : per layer, whether the policy leaves it alone (``layers=global``: a windowed layer keeps
+        whatever its own window shows); empty when the policy applies to every layer.
     """
 
     rule: AllowedFn | None
@@ -58,6 +60,7 @@ class RecordingPlan:
     n_sink_slots: int
     sink_rank: int | None
     state_names: tuple[str, ...]
+    exempt: tuple[bool, ...] = ()
 
     @property
     def chunk(self) -> int:
@@ -71,6 +74,17 @@ class RecordingPlan:
         """(R, Q): retained and chunk slots of the memory for an ``n_tokens`` stream."""
         retained = n_tokens if self.capacity is None else self.capacity
         return retained, min(self.chunk, n_tokens)
+
+    def exempting(self, windows: list[int | None]) -> RecordingPlan:
+        """The plan with the policy applied to global layers only: every windowed layer (``windows``: the
+        past entries each layer's window shows, None for a global layer) keeps what its window shows, so
+        R grows to the largest window where that exceeds the policy's capacity."""
+        exempt = tuple(w is not None for w in windows)
+        if not any(exempt):
+            return self
+        widest = max(w for w in windows if w is not None)
+        capacity = None if self.capacity is None else max(self.capacity, widest)
+        return replace(self, exempt=exempt, capacity=capacity)
 
     def observed(self) -> RecordingPlan:
         """The plan with attention recorded for an observer of every chunk."""

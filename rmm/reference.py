@@ -45,6 +45,7 @@ class ReferenceSpec:
     positions: str = "original"
     scope: str = "head"
     allocation: str = "uniform"  # uniform | adaptive | pyramid: the budget across heads and layers
+    layers: str = "all"  # all | global: the policy in global layers only (windowed layers keep their window)
     sinks: int = 4
     rho: float = 0.5
     lag: int = 0
@@ -268,6 +269,8 @@ def _reference_stream(
         "made_at": {},  # j -> the position key j was rotated at by the model
         "inv_freq": layer_frequencies(model.config) if rule.reads_keys else [],
         "reach": reach,
+        # layers=global: a windowed layer keeps every entry its own window shows, the policy decides elsewhere
+        "exempt": [spec.layers == "global" and r is not None for r in reach],
         "future": reference_pass(model, tokens, spec.context) if rule.reads_future else None,
     }
     keys, values, made_at = record["keys"], record["values"], record["made_at"]
@@ -328,12 +331,15 @@ def _reference_stream(
             break
         if rule.observe is not None:
             rule.observe(spec, record, t)
-        if rule.visible is None:  # a score rule never keeps what the layer's window hides from now on
-            for layer in range(n_layers):
+        for layer in range(n_layers):
+            # a score rule never keeps what the layer's window hides from now on; nor does an exempt layer
+            if rule.visible is None or record["exempt"][layer]:
                 for h in range(n_kv):
                     retained[layer][h] = [j for j in retained[layer][h] if visible(reach[layer], now, j)]
         if rule.visible is not None:
             for layer in range(n_layers):
+                if record["exempt"][layer]:
+                    continue
                 for h in range(n_kv):
                     retained[layer][h] = [j for j in retained[layer][h] if rule.visible(spec, now, j)]
         elif now % spec.chunk == 0:
@@ -482,10 +488,11 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, record: dict) -> None
     per_layer = [capacity] * n_layers
     if spec.allocation == "pyramid":
         per_layer = _pyramid(capacity, rule.protected(spec, capacity), n_layers)
+    layers = [layer for layer in range(n_layers) if not record["exempt"][layer]]  # exempt: kept as they are
     if spec.scope == "head":
-        groups = [[(layer, h)] for layer in range(n_layers) for h in range(n_kv)]
+        groups = [[(layer, h)] for layer in layers for h in range(n_kv)]
     elif spec.scope == "layer":
-        groups = [[(layer, h) for h in range(n_kv)] for layer in range(n_layers)]
+        groups = [[(layer, h) for h in range(n_kv)] for layer in layers]
     else:
         groups = [[(layer, h) for layer in range(n_layers) for h in range(n_kv)]]
     for members in groups:

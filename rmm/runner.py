@@ -113,6 +113,7 @@ def stream_documents(
         positions=cfg.positions,
         scope=cfg.scope,
         allocation=cfg.get("allocation", "uniform"),
+        layers=cfg.get("layers", "all"),
     )
     # check the engine on this model before the first scored token, with a probe from the longest document
     engine.self_check(max(setup.docs, key=lambda doc: doc.tokens.numel()).tokens)
@@ -219,6 +220,7 @@ ADDED_KEY_DEFAULTS: dict[str, object] = {
     "policy.seed": 0,  # random's seed became a policy key; the runs before it used the run seed, 0 in all
     "policy.weight": "correct",  # the oracle's weight (read by future_utility only) came with that variant
     "allocation": "uniform",  # budget allocation across heads and layers; before it, every head kept B'
+    "layers": "all",  # the policy in global layers only (hybrid models); before it, in every layer
 }
 
 

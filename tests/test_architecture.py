@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rmm import config, recording
+from rmm import config, engine, recording
 from rmm.policies import POLICIES, registry, select
 from rmm.policies.window import Window
 
@@ -132,6 +132,7 @@ def test_types_have_one_meaning_each():
 def test_the_light_config_checks_agree_with_the_engine():
     """rmm/config.py checks configs without torch, so it keeps its own copies of the option lists."""
     assert config.POSITIONS == recording.POSITIONS and config.SCOPES == select.SCOPES
+    assert config.LAYERS == engine.LAYERS
 
 
 def test_registry_refuses_two_policies_with_one_name():

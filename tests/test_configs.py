@@ -215,6 +215,20 @@ def test_lag_is_defined_once_and_overridable_at_top_level(compose_cfg: Compose) 
         make_policy({"name": "rmm"}, budget=256, chunk=64)
 
 
+def test_layers_enter_the_run_name_only_when_not_all(compose_cfg: Compose) -> None:
+    """Run directories written before the layers axis keep their names; layers=global carries _Lglobal."""
+    from rmm.config import check_run
+
+    every = compose_cfg("policy=h2o").run_name
+    assert every == compose_cfg("policy=h2o", "layers=all").run_name
+    assert compose_cfg("policy=h2o", "layers=global").run_name == every.replace("_s0", "_Lglobal_s0")
+    check_run(compose_cfg("policy=h2o", "layers=global"))
+    with pytest.raises(ValueError, match="layers must be one of"):
+        check_run(compose_cfg("policy=h2o", "layers=sliding"))
+    with pytest.raises(ValueError, match="allocation=uniform"):
+        check_run(compose_cfg("policy=h2o", "layers=global", "allocation=pyramid"))
+
+
 def test_allocation_enters_the_run_name_only_when_not_uniform(compose_cfg: Compose) -> None:
     """Run directories written before the allocation axis keep their names; the others carry _A<name>."""
     from rmm.config import check_run

@@ -18,7 +18,16 @@ from conftest import STREAM_LENGTH, record_max
 from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.lookahead import record_future
-from rmm.matrix import CASES, case_id, distinct_stream, ranks_keys, sampled_stream, set_recorder, tiny_model
+from rmm.matrix import (
+    CASES,
+    SLIDING_WINDOW,
+    case_id,
+    distinct_stream,
+    ranks_keys,
+    sampled_stream,
+    set_recorder,
+    tiny_model,
+)
 from rmm.policies import POLICIES, PositionRule, ScorePolicy, make_policy
 from rmm.reference import POSITION_RULES, SCORE_POLICIES, ReferenceSpec, reference_attention, reference_stream
 
@@ -43,10 +52,13 @@ def run_engine(
     observer=None,
     context=1024,
     allocation="uniform",
+    layers="all",
 ):
     policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
     policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=context))
-    engine = StreamingEngine(model, policy, positions=positions, scope=scope, allocation=allocation)
+    engine = StreamingEngine(
+        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers
+    )
     return engine.stream(tokens, observer=observer, on_boundary=on_boundary)
 
 
@@ -66,6 +78,7 @@ def reference(
     positions: str,
     scope: str = "head",
     allocation: str = "uniform",
+    layers: str = "all",
 ):
     """(nll, correct, retained_log) of the reference, cached across tests; position rules ignore C."""
     if arch not in _MODELS:  # built once: setdefault would build (and discard) a model on every call
@@ -84,6 +97,7 @@ def reference(
         positions=positions,
         scope=scope,
         allocation=allocation,
+        layers=layers,
         **params,
     )
     nll, correct = reference_stream(model, tokens, spec)
@@ -115,17 +129,26 @@ def fits(name: str, params: dict, chunk: int) -> bool:
 
 
 def check_against_reference(
-    model, tokens, arch, name, params, chunk, positions, scope="head", allocation="uniform"
+    model, tokens, arch, name, params, chunk, positions, scope="head", allocation="uniform", layers="all"
 ):
     ref_chunk = 1 if name in POSITION_RULES else chunk
     ref_nll, ref_correct, ref_sets = reference(
-        arch, name, tuple(sorted(params.items())), ref_chunk, positions, scope, allocation
+        arch, name, tuple(sorted(params.items())), ref_chunk, positions, scope, allocation, layers
     )
     result, sets = retained_sets(
-        model, tokens, name, params, chunk=chunk, positions=positions, scope=scope, allocation=allocation
+        model,
+        tokens,
+        name,
+        params,
+        chunk=chunk,
+        positions=positions,
+        scope=scope,
+        allocation=allocation,
+        layers=layers,
     )
     where = (
-        f"{arch} {name} {params} chunk={chunk} positions={positions} scope={scope} allocation={allocation}"
+        f"{arch} {name} {params} chunk={chunk} positions={positions} scope={scope} allocation={allocation} "
+        f"layers={layers}"
     )
     record_max("per-token |NLL engine - reference|, fp32", float((result.nll - ref_nll).abs().max()))
     torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=NLL_ATOL, msg=where)
@@ -178,6 +201,22 @@ def test_engine_matches_reference(tiny_models, streams, arch, name, params, chun
     tokens = distinct_stream(STREAM_LENGTH) if ranks_keys(name) else streams[arch]
     for positions in POSITIONS:
         check_against_reference(tiny_models[arch], tokens, arch, name, params, chunk, positions)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize(("name", "params"), [case for case in CASES if case[0] != "full"], ids=CASE_IDS[1:])
+def test_layers_global_matches_reference(tiny_models, streams, name, params, chunk, positions):
+    """layers=global on the hybrid model: the policy decides in the global layer only, the sliding layer
+    keeps what its own window shows (every policy, both position modes)."""
+    if not fits(name, params, chunk):
+        pytest.skip("the case does not fit this chunk")
+    tokens = distinct_stream(STREAM_LENGTH) if ranks_keys(name) else streams["gemma3"]
+    sets = check_against_reference(
+        tiny_models["gemma3"], tokens, "gemma3", name, params, chunk, positions, layers="global"
+    )
+    window = SLIDING_WINDOW - 1
+    assert all(len(per_layer[0][0]) <= window for per_layer in sets.values())
 
 
 @pytest.mark.parametrize("arch", ["llama", pytest.param("gpt_neox", marks=pytest.mark.slow)])
