@@ -37,11 +37,12 @@ ID_COLUMNS = [
     "positions",
     "scope",
     "allocation",
+    "layers",
     "seed",
 ]
 SORT_COLUMNS = [*ID_COLUMNS[1:], "run_dir"]
 # Columns that tell apart configurations of one policy within a model/dataset besides ``policy.*``.
-VARIANT_COLUMNS = ["chunk", "positions", "scope", "allocation"]
+VARIANT_COLUMNS = ["chunk", "positions", "scope", "allocation", "layers"]
 PARAM_EXCLUDE = ("policy.name", "policy.tag")
 
 
@@ -107,6 +108,8 @@ def collect(
         return pd.DataFrame(columns=["run_dir"])
     if "allocation" in frame.columns:  # runs written before the allocation axis kept B' per head
         frame["allocation"] = frame["allocation"].fillna("uniform")
+    if "layers" in frame.columns:  # runs written before the layers axis decided in every layer
+        frame["layers"] = frame["layers"].fillna("all")
     params = sorted(c for c in frame.columns if c.startswith("policy."))
     leading = [c for c in ID_COLUMNS if c in frame.columns] + params
     rest = [c for c in frame.columns if c not in leading and c != "run_dir"]
