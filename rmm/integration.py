@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
-from rmm.models import UnsupportedModelError
+from rmm.models import UnsupportedModelError, describe_model
 
 if TYPE_CHECKING:
     from rmm.memory import SlotMemory
@@ -317,6 +317,7 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
     """
     config = model.config.get_text_config()
     name = describe(model)
+    describe_model(model)  # one number of layers, heads and head dimension, or refused
     alibi = getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi"
     if alibi or config.model_type in ALIBI_MODEL_TYPES:
         raise UnsupportedModelError(

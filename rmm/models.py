@@ -116,17 +116,28 @@ def load_model(
 
 
 def describe_model(model: PreTrainedModel) -> dict[str, Any]:
-    """Shape facts the engine needs for KV-bytes accounting, read from the model's (text) config."""
+    """Shape facts the engine needs for KV-bytes accounting, read from the model's (text) config.
+
+    Raises :class:`UnsupportedModelError` when the config does not state one number of layers, heads,
+    KV heads and head dimension (recurrent models without attention heads; per-layer head dimensions).
+    """
     config = model.config.get_text_config()
-    n_heads = config.num_attention_heads
-    return {
-        "n_layers": config.num_hidden_layers,
-        "n_heads": n_heads,
-        "n_kv_heads": getattr(config, "num_key_value_heads", None) or n_heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // n_heads,
-        "max_position_embeddings": config.max_position_embeddings,
-        "model_type": config.model_type,
-    }
+    try:
+        n_heads = config.num_attention_heads
+        return {
+            "n_layers": config.num_hidden_layers,
+            "n_heads": n_heads,
+            "n_kv_heads": getattr(config, "num_key_value_heads", None) or n_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+            "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+            "model_type": config.model_type,
+        }
+    except Exception as err:  # a missing attribute, or one transformers refuses to give globally
+        raise UnsupportedModelError(
+            f"{type(model).__name__} ({config.model_type}) does not state one number of layers, attention "
+            f"heads and head dimension for all its layers ({type(err).__name__}: {str(err)[:160]}); the slot "
+            "memory needs them, so this model is not supported"
+        ) from err
 
 
 ARCHITECTURE_KEYS = (

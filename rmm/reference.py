@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 
 @dataclass
@@ -84,26 +84,32 @@ def layer_frequencies(config) -> list[list[float]]:
     return [rope_frequencies(config)] * config.num_hidden_layers
 
 
-def layer_reach(config) -> list[tuple[str, int] | None]:
-    """Per layer, its own window from the config: ("sliding", W) (keys W or more positions back hidden),
-    ("chunked", C) (only keys in the query's own block of C positions), or None."""
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False:
-        window = None
-    chunk = getattr(config, "attention_chunk_size", None)
-    layer_types = getattr(config, "layer_types", None)
-    if not layer_types:
-        return [None if window is None else ("sliding", window)] * config.num_hidden_layers
-    reach = {"sliding_attention": ("sliding", window), "chunked_attention": ("chunked", chunk)}
-    return [reach[kind] if kind in reach and reach[kind][1] is not None else None for kind in layer_types]
+class _ModelMask:
+    """The model's own mask function for a layer type, handed unevaluated to :func:`_ragged_attention`
+    (transformers' ``AttentionMaskInterface`` for the reference's attention)."""
+
+    def __init__(self, mask_function: Callable):
+        self.mask_function = mask_function
 
 
-def visible(reach: tuple[str, int] | None, query: int, key: int) -> bool:
-    """Whether a layer with window ``reach`` lets ``query`` attend ``key`` (key <= query)."""
-    if reach is None:
-        return True
-    kind, size = reach
-    return query - key < size if kind == "sliding" else key // size == query // size
+def _model_mask(*, mask_function: Callable = causal_mask_function, **kwargs) -> _ModelMask:
+    return _ModelMask(mask_function)
+
+
+def sees(layer: int, query: int, keys: list[int]) -> list[bool]:
+    """Whether ``layer``, as the model masks it (its mask function in the last pass, evaluated at
+    original positions: causal, sliding window, attention chunks), lets ``query`` attend each of
+    ``keys`` (all <= query)."""
+    mask_function = _MASKS.get(layer, causal_mask_function)
+    if mask_function is causal_mask_function or not keys:
+        return [True] * len(keys)
+    visible = mask_function(0, 0, torch.tensor([query])[:, None], torch.tensor(keys)[None, :])
+    return torch.as_tensor(visible).reshape(-1).tolist()
+
+
+def windowed(layer: int) -> bool:
+    """Whether the model masks ``layer`` beyond causality (a sliding or chunked window)."""
+    return _MASKS.get(layer, causal_mask_function) is not causal_mask_function
 
 
 def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
@@ -147,16 +153,60 @@ def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
     raise ValueError(f"the reference has no RoPE rule for rope_type {rope_type!r}")
 
 
-def rope_rotate(x: torch.Tensor, shift: list[float], inv_freq: list[float]) -> torch.Tensor:
-    """Rotate ``x`` [P, head_dim] by ``shift[p]`` positions per row (rotate_half pairing: i, i + d/2)."""
+def rope_rotate(
+    x: torch.Tensor, shift: list[float], inv_freq: list[float], pairing: str = "half"
+) -> torch.Tensor:
+    """Rotate ``x`` [P, head_dim] by ``shift[p]`` positions per row. ``pairing``: ``half`` (channels i and
+    i + d/2), ``interleaved`` (2i and 2i + 1) or ``none`` (a layer without positions: unchanged)."""
+    if pairing == "none":
+        return x
     half = len(inv_freq)
     out = x.double().clone()
     angles = torch.tensor(shift, dtype=torch.float64)[:, None] * torch.tensor(inv_freq, dtype=torch.float64)
     cos, sin = angles.cos(), angles.sin()
+    if pairing == "interleaved":
+        first, second = x.double()[:, 0 : 2 * half : 2], x.double()[:, 1 : 2 * half : 2]
+        out[:, 0 : 2 * half : 2] = first * cos - second * sin
+        out[:, 1 : 2 * half : 2] = second * cos + first * sin
+        return out.to(x.dtype)
     first, second = x.double()[:, :half], x.double()[:, half : 2 * half]
     out[:, :half] = first * cos - second * sin
     out[:, half : 2 * half] = second * cos + first * sin
     return out.to(x.dtype)
+
+
+PAIRINGS = ("half", "interleaved", "none")
+PAIRING_SHIFT, PAIRING_TOLERANCE = 37, 1e-3
+
+
+@torch.no_grad()
+def layer_rotations(model: PreTrainedModel) -> list[tuple[list[float], str]]:
+    """Each layer's RoPE: its frequencies from the config (:func:`layer_frequencies`) and the pairing
+    under which they rotate the keys the model produced for 8 tokens at positions 0..7 into those it
+    produces for them at 37..44 (``half`` first; ``none`` for a layer the model does not rotate).
+    Raises ValueError when no pairing does: the reference has no RoPE rule for the layer."""
+    frequencies = layer_frequencies(model.config)
+    tokens = torch.arange(1, 9)[None] % model.config.vocab_size
+    produced = []
+    for shift in (0, PAIRING_SHIFT):
+        cache = DynamicCache()
+        model(tokens, position_ids=torch.arange(8)[None] + shift, cache=cache, use_cache=True)
+        produced.append([cache.layers[layer].keys[0] for layer in range(len(frequencies))])
+    rotations = []
+    for layer, inv_freq in enumerate(frequencies):
+        before, after = produced[0][layer].double(), produced[1][layer].double()
+        for pairing in PAIRINGS:
+            shift = [PAIRING_SHIFT] * 8
+            moved = torch.stack([rope_rotate(head, shift, inv_freq, pairing) for head in before])
+            if float((moved - after).norm() / after.norm()) <= PAIRING_TOLERANCE:
+                rotations.append((inv_freq, pairing))
+                break
+        else:
+            raise ValueError(
+                f"the reference has no RoPE rule for layer {layer} of {model.config.model_type}: its keys do "
+                "not rotate with the config's frequencies under any pairing"
+            )
+    return rotations
 
 
 def splitmix_uniform(seed: int, layer: int, head: int, position: int) -> float:
@@ -239,16 +289,14 @@ def _reference_stream(
     rule = RULES[spec.policy]
     n = tokens.numel()
     n_layers, n_kv, _ = model_shape(model)
-    inv_freq = layer_frequencies(model.config) if spec.positions == "cache" else []
-    reach = layer_reach(model.config)
-    if spec.allocation == "uniform" and not any(reach):
-        model.set_attn_implementation("eager")
-    else:  # heads may hold different numbers of entries, or a layer's window hides some
-        if spec.allocation != "uniform" and spec.positions != "original":
-            raise ValueError("the reference's non-uniform allocations need original positions")
-        AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
-        AttentionMaskInterface.register(RAGGED_ATTENTION, _causal_mask)
-        model.set_attn_implementation(RAGGED_ATTENTION)
+    inv_freq = layer_rotations(model) if spec.positions == "cache" or rule.reads_keys else []
+    if spec.allocation != "uniform" and spec.positions != "original":
+        raise ValueError("the reference's non-uniform allocations need original positions")
+    # the model's own eager attention over the physical cache, masked at original positions
+    AttentionInterface.register(RAGGED_ATTENTION, _ragged_attention)
+    AttentionMaskInterface.register(RAGGED_ATTENTION, _model_mask)
+    model.set_attn_implementation(RAGGED_ATTENTION)
+    _MASKS.clear()
     retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t, sorted position lists
 
     def per_head() -> list:
@@ -267,10 +315,9 @@ def _reference_stream(
         "keys": per_head(),  # j -> key j as the model produced it (at made_at[j])
         "values": per_head(),
         "made_at": {},  # j -> the position key j was rotated at by the model
-        "inv_freq": layer_frequencies(model.config) if rule.reads_keys else [],
-        "reach": reach,
+        "inv_freq": inv_freq,  # per layer: (frequencies, pairing)
         # layers=global: a windowed layer keeps every entry its own window shows, the policy decides elsewhere
-        "exempt": [spec.layers == "global" and r is not None for r in reach],
+        "exempt": [False] * n_layers,
         "future": reference_pass(model, tokens, spec.context) if rule.reads_future else None,
     }
     keys, values, made_at = record["keys"], record["values"], record["made_at"]
@@ -279,7 +326,7 @@ def _reference_stream(
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
         m = max(len(kept) for per_head in retained for kept in per_head)
         query_pos = t if spec.positions == "original" else m
-        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, reach, [t])
+        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, [t])
         out = model(
             tokens[None, t : t + 1],
             position_ids=torch.tensor([[query_pos]]),
@@ -310,7 +357,8 @@ def _reference_stream(
                 summed = heads[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
                 summed = summed[: len(retained[layer][h])] + summed[-1:]  # without a ragged head's padding
                 seen = dict(zip(retained[layer][h] + [t], summed, strict=True))
-                seen = {j: a for j, a in seen.items() if visible(reach[layer], t, j)}  # the layer's window
+                shown = sees(layer, t, list(seen))  # the layer's own window
+                seen = {j: a for (j, a), visible in zip(seen.items(), shown, strict=True) if visible}
                 rows.append(seen)
                 count, last_use = record["count"][layer][h], record["last_use"][layer][h]
                 attention_sum = record["attention_sum"][layer][h]
@@ -331,11 +379,14 @@ def _reference_stream(
             break
         if rule.observe is not None:
             rule.observe(spec, record, t)
+        record["exempt"] = [spec.layers == "global" and windowed(layer) for layer in range(n_layers)]
         for layer in range(n_layers):
             # a score rule never keeps what the layer's window hides from now on; nor does an exempt layer
             if rule.visible is None or record["exempt"][layer]:
                 for h in range(n_kv):
-                    retained[layer][h] = [j for j in retained[layer][h] if visible(reach[layer], now, j)]
+                    kept = retained[layer][h]
+                    shown = sees(layer, now, kept)
+                    retained[layer][h] = [j for j, visible in zip(kept, shown, strict=True) if visible]
         if rule.visible is not None:
             for layer in range(n_layers):
                 if record["exempt"][layer]:
@@ -354,7 +405,6 @@ def _cache(
     made_at: dict,
     positions: str,
     inv_freq: list,
-    reach: list,
     queries: list[int],
 ):
     """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty, for a pass of
@@ -362,17 +412,20 @@ def _cache(
     the model produced it at to its rank: the query is at m, the largest |R| of any head, and key j at
     m minus the number of entries its head holds at or after j (the usual rank when all heads hold m).
 
-    Heads holding different numbers of entries (a non-uniform allocation) are padded with zero keys and
-    values to the longest; :data:`_RAGGED_MASK` blocks the padding, and every key a layer's own window
-    hides from a query, for the pass (see :func:`_ragged_attention`).
+    Heads holding different numbers of entries (a non-uniform allocation, a windowed layer) are padded
+    with zero keys and values to the longest; :data:`_PASS` tells :func:`_ragged_attention` which
+    position each column holds (None: padding) for the pass's queries.
     """
-    _RAGGED_MASK.clear()
+    _PASS.clear()
+    _PASS["queries"] = queries
     longest = max(len(kept) for per_head in retained for kept in per_head)
+    for layer, per_head in enumerate(retained):
+        _PASS[layer] = [kept + [None] * (longest - len(kept)) + queries for kept in per_head]
     if not longest:
         return None
     cache = DynamicCache()
     for layer, per_head in enumerate(retained):
-        layer_keys, layer_values, blocked = [], [], []
+        layer_keys, layer_values = [], []
         for h, kept in enumerate(per_head):
             zero = torch.zeros_like(next(iter(keys[layer][h].values())))
             pad = [zero] * (longest - len(kept))
@@ -380,42 +433,65 @@ def _cache(
             if positions == "cache" and kept:  # key j moves to its rank
                 ranks = [longest - (len(kept) - i) for i in range(len(kept))]
                 shift = [r - made_at[j] for r, j in zip(ranks, kept, strict=True)] + [0.0] * len(pad)
-                head_keys = rope_rotate(head_keys, shift, inv_freq[layer])
+                head_keys = rope_rotate(head_keys, shift, *inv_freq[layer])
             layer_keys.append(head_keys)
             layer_values.append(torch.stack([values[layer][h][j] for j in kept] + pad))
-            columns = kept + [None] * len(pad) + queries  # the pass's own keys last
-            blocked.append(
-                [[j is None or j > s or not visible(reach[layer], s, j) for j in columns] for s in queries]
-            )
-        if any(any(any(row) for row in rows) for rows in blocked):
-            _RAGGED_MASK[layer] = torch.zeros(len(blocked), len(queries), longest + len(queries)).masked_fill(
-                torch.tensor(blocked), -math.inf
-            )
         cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
     return cache
 
 
-# padding of heads that hold fewer entries than the longest, and keys a layer's window hides:
-# layer -> additive mask [n_kv, Q, M + Q] for a pass of Q queries
-_RAGGED_MASK: dict[int, torch.Tensor] = {}
+# the pass being run: "queries" -> the queries' original positions; layer -> per KV head the position
+# each key column holds (None: a shorter head's padding), the pass's own keys last
+_PASS: dict = {}
+# layer -> the model's mask function in the last pass (causal, sliding window, attention chunks)
+_MASKS: dict[int, Callable] = {}
 RAGGED_ATTENTION = "rmm_reference_ragged"
 
 
-def _causal_mask(**kwargs):
-    """Causal masks over cache indices as under eager; a layer's own window is in :data:`_RAGGED_MASK`,
-    at original positions (the model's window functions would read cache indices as positions)."""
-    return eager_mask(**{**kwargs, "mask_function": causal_mask_function})
-
-
 def _ragged_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """The model's own eager attention, with the padding of :data:`_RAGGED_MASK` blocked per KV head."""
+    """The model's own eager attention over the physical cache, masked per KV head at original positions
+    (:data:`_PASS`): a shorter head's padding, the future, and what the layer's own mask function hides.
+
+    Attention weights are the probabilities the output uses: with learned sinks (``s_aux``, one more
+    logit per head in the softmax's denominator) a model whose eager function returns weights that
+    leave the sink out (summing to 1, the output scaled afterwards) has them scaled by the sink's share.
+    """
     eager = type(module).__init__.__globals__["eager_attention_forward"]  # from the model's own module
-    extra = _RAGGED_MASK.get(module.layer_idx)
-    if extra is not None:
-        group = query.shape[1] // extra.shape[0]
-        extra = extra.to(query.dtype).repeat_interleave(group, dim=0)[None]
-        attention_mask = extra if attention_mask is None else attention_mask + extra
-    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    if isinstance(attention_mask, _ModelMask):
+        _MASKS[layer] = attention_mask.mask_function
+    queries, columns = _PASS["queries"], _PASS[layer]
+    blocked = []  # per KV head, query and column: padding, the future, or hidden by the layer's window
+    for head in columns:
+        positions = [-1 if j is None else j for j in head]
+        blocked.append(
+            [
+                [
+                    j < 0 or j > s or not shown
+                    for j, shown in zip(positions, sees(layer, s, positions), strict=True)
+                ]
+                for s in queries
+            ]
+        )
+    group = query.shape[1] // len(columns)
+    attention_mask = torch.zeros(len(columns), len(queries), len(columns[0]), dtype=query.dtype)
+    attention_mask = attention_mask.masked_fill(torch.tensor(blocked), -math.inf)
+    attention_mask = attention_mask.repeat_interleave(group, dim=0)[None]
+    out, weights = eager(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and weights is not None:
+        total = weights.double().sum(dim=-1, keepdim=True)
+        if torch.allclose(total, torch.ones_like(total), atol=1e-5):
+            keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+            logits = torch.matmul(query.double(), keys.double().transpose(-1, -2)) * scaling
+            if attention_mask is not None:
+                logits = logits + attention_mask[..., : keys.shape[-2]].double()
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            share = torch.sigmoid(lse - sinks.double().view(1, -1, 1, 1))
+            weights = (weights.double() * share).to(weights.dtype)
+    return out, weights
 
 
 def gradient_utility(
@@ -428,6 +504,7 @@ def gradient_utility(
     values: list,
     made_at: dict,
     spec: ReferenceSpec,
+    rotations: list | None = None,
 ) -> list:
     """rmm's gradient utility of the chunk [start, stop): [L][H] {query s: {key j: u_s(j)}}.
 
@@ -435,14 +512,14 @@ def gradient_utility(
     retained set ``retained`` ([L][H] position lists); l is the sum of the chunk's NLLs (queries with a
     target). Autograd through the model's own attention probabilities a gives dl/da, and the logit
     derivative dl/dz = a * (dl/da - sum_j a dl/da); u_s(j) = -dl/dz_{s,j}, summed over the query heads of
-    each KV head's group in float64. At chunk 1 this is the single query's own loss.
+    each KV head's group in float64. At chunk 1 this is the single query's own loss. ``rotations``: each
+    layer's (frequencies, pairing) under cache positions (:func:`layer_rotations`; found when not given).
     """
     n_layers, n_kv, _ = model_shape(model)
-    inv_freq = layer_frequencies(model.config) if spec.positions == "cache" else []
+    inv_freq = (rotations or layer_rotations(model)) if spec.positions == "cache" else []
     m = max(len(kept) for per_head in retained for kept in per_head)
     first = start if spec.positions == "original" else m
-    reach = layer_reach(model.config)
-    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, reach, list(range(start, stop)))
+    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, list(range(start, stop)))
     longest = max(len(kept) for per_head in retained for kept in per_head)
     scored = range(start, min(stop, tokens.numel() - 1))
     utilities = [[{s: {} for s in range(start, stop)} for _ in range(n_kv)] for _ in range(n_layers)]
@@ -594,7 +671,7 @@ def _rmm_observe(spec: ReferenceSpec, record: dict, t: int) -> None:
     for first, stop, kept in parts:
         gradient = gradient_utility(
             record["model"], record["tokens"], first, stop, kept, record["keys"], record["values"],
-            record["made_at"], spec,
+            record["made_at"], spec, record["inv_freq"],
         )  # fmt: skip
         for layer, per_head in enumerate(gradient):
             for h, rows in enumerate(per_head):
@@ -649,7 +726,7 @@ def _unrotated(record, source: str, layer: int, h: int, j: int) -> list[float]:
     """Key j (rotated back from the position the model produced it at) or value j, in float64."""
     x = record[source][layer][h][j].double()
     if source == "keys":
-        x = rope_rotate(x[None], [-record["made_at"][j]], record["inv_freq"][layer])[0]
+        x = rope_rotate(x[None], [-record["made_at"][j]], *record["inv_freq"][layer])[0]
     return x.tolist()
 
 
