@@ -172,7 +172,8 @@ def markdown(table: pd.DataFrame) -> str:
         cells = [row["predicted"], row["model"], row["cell"], row["comparison"], *figures, row["verdict"]]
         lines.append("| " + " | ".join(cells) + " |")
     counts = table["verdict"].str.split(" ").str[0].value_counts()
-    lines += ["", "Verdicts: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + ".", ""]
+    order = [k for k in ("confirmed", "refuted", "unresolved", "pending") if k in counts]
+    lines += ["", "Verdicts: " + ", ".join(f"{k} {counts[k]}" for k in order) + ".", ""]
     return "\n".join(lines)
 
 

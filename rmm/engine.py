@@ -104,11 +104,24 @@ class StreamingEngine:
             self.capacity = self.capacity.to(self.device)
         self.dtype = next(model.parameters()).dtype
         self.rotary = Rotary(model).to(self.device)
+        if not self.rotary.candidates and selfcheck.moves_positions(self.plan):
+            raise UnsupportedModelError(
+                f"{integration.describe(model)} has no rotary position embedding (no `inv_freq` buffer), so "
+                f"its keys cannot move to other positions, which positions={positions} with policy "
+                f"{policy.name} needs; use positions=original with a policy that reads no keys or queries"
+            )
+        self.max_positions = None if self.rotary.candidates else dims["max_position_embeddings"]
         self.checked: SelfCheck | None = None
 
     def self_check(self, tokens: torch.Tensor) -> SelfCheck:
         """Check the engine on this model before the first scored token (:func:`rmm.selfcheck.self_check`)
         with a probe from ``tokens`` [n] (the longest stream to come); refuses the model on a mismatch."""
+        if self.max_positions is not None and tokens.numel() > self.max_positions:
+            raise UnsupportedModelError(
+                f"{integration.describe(self.model)} has learned absolute positions up to "
+                f"{self.max_positions}, but a stream has {tokens.numel()} tokens; cut the documents "
+                f"(dataset.max_tokens<={self.max_positions}, or max_tokens=)"
+            )
         if self.checked is None:
             self.checked = selfcheck.self_check(self, tokens)
         return self.checked

@@ -52,6 +52,7 @@ IGNORED_KWARGS = frozenset(
         "is_causal",
         "layer_idx",
         "layer_type",
+        "logits_to_keep",
     }
 )
 # model types that always use ALiBi (others say so with config.alibi or position_embedding_type)

@@ -66,8 +66,8 @@ class ReferenceSpec:
 
 # ---- model facts and RoPE, from the config ------------------------------------------------------
 def model_shape(model: PreTrainedModel) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) read from the model's config."""
-    config = model.config
+    """(layers, KV heads, head_dim) read from the model's (text) config."""
+    config = model.config.get_text_config()
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
@@ -185,8 +185,9 @@ def layer_rotations(model: PreTrainedModel) -> list[tuple[list[float], str]]:
     under which they rotate the keys the model produced for 8 tokens at positions 0..7 into those it
     produces for them at 37..44 (``half`` first; ``none`` for a layer the model does not rotate).
     Raises ValueError when no pairing does: the reference has no RoPE rule for the layer."""
-    frequencies = layer_frequencies(model.config)
-    tokens = torch.arange(1, 9)[None] % model.config.vocab_size
+    config = model.config.get_text_config()
+    frequencies = layer_frequencies(config)
+    tokens = torch.arange(1, 9)[None] % config.vocab_size
     produced = []
     for shift in (0, PAIRING_SHIFT):
         cache = DynamicCache()

@@ -67,13 +67,10 @@ class Rotary:
 
     def __init__(self, model: PreTrainedModel):
         n_layers = model.config.get_text_config().num_hidden_layers
+        # no candidate: a model without rotary positions (learned absolute positions), whose keys cannot
+        # move to other positions (the engine then refuses what would need it)
         self.candidates, defaults = _candidates(model, n_layers)
-        if not self.candidates:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} has no rotary embedding module with an `inv_freq` buffer; "
-                "the harness supports RoPE models (Llama, Mistral, Qwen2, SmolLM, GPT-NeoX, Gemma 3)"
-            )
-        self.layers: list[Rotation] = defaults  # the rotation of each layer
+        self.layers: list[Rotation] = defaults or [_NONE] * n_layers  # the rotation of each layer
 
     @property
     def rot_dim(self) -> int:
@@ -150,11 +147,19 @@ class Rotary:
         return _error(self.layers[layer], before, after, delta)
 
     def _all(self) -> list[Rotation]:
-        """Every candidate: each frequency buffer in both pairings, and no rotation."""
+        """Every candidate: each frequency buffer in both pairings and both directions, and no rotation."""
         out = []
         for r in self.candidates:
             out += [r, Rotation(f"{r.name}/interleaved", r.inv_freq, True)]
-        return out + [Rotation("none", self.candidates[0].inv_freq[:0])]
+        for r in self.candidates:
+            out += [
+                Rotation(f"{r.name}/reversed", -r.inv_freq),
+                Rotation(f"{r.name}/interleaved/reversed", -r.inv_freq, True),
+            ]
+        return out + [_NONE]
+
+
+_NONE = Rotation("none", torch.zeros(0))
 
 
 def _error(rotation: Rotation, before: torch.Tensor, after: torch.Tensor, delta: int) -> float:

@@ -3,7 +3,7 @@ tiny and streamed, is exact (against its own forward pass and the reference) or 
 
 The types come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` at collection, so a model type that a new
 transformers adds gets its own test without a code change. ``python -m rmm.architectures`` prints the
-same matrix as a table (docs/models_matrix.md).
+same matrix as a table (docs/models.md).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def test_the_types_come_from_the_registry():
     assert "bart" not in TYPES  # encoder-decoder types are left out
 
 
+@pytest.mark.slow  # about 130 s single-threaded for the whole registry (docs/testing.md)
 @pytest.mark.parametrize("model_type", TYPES)
 def test_an_architecture_is_exact_or_refused(model_type):
     row = classify(model_type)

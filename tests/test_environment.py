@@ -15,7 +15,8 @@ def _name(requirement: str) -> str:
 
 def test_environment_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
+    extras = [r for group in project["optional-dependencies"].values() for r in group]  # dev, lm-eval
+    wanted = {_name(r) for r in project["dependencies"] + extras}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     listed = {_name(r) for r in pip if not r.startswith("-e")}
