@@ -147,10 +147,8 @@ class StreamingEngine:
     def forward(self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One pass of the chunk ``tokens`` [Q] at ``position_ids`` [Q] over ``memory``: logits [Q, V]
         (float32). The model's attention must be the bounded attention (:func:`rmm.integration.install`)."""
-        with integration.active(memory):
-            out = self.model(
-                input_ids=tokens[None], position_ids=position_ids[None], kv_memory=memory, use_cache=False
-            )
+        with integration.active(memory):  # the attention function finds the memory there, not in kwargs
+            out = self.model(input_ids=tokens[None], position_ids=position_ids[None], use_cache=False)
         return out.logits[0].float()
 
     def new_memory(self, n_tokens: int, plan: RecordingPlan) -> SlotMemory:

@@ -2,8 +2,8 @@
 
 The engine streams chunks through an unmodified Hugging Face causal LM. Every attention layer calls
 :func:`bounded_attention` (registered in transformers' ``AttentionInterface``), which reads and writes
-the layer's slots in the :class:`~rmm.memory.SlotMemory` of the stream (the ``kv_memory`` keyword, or
-the memory made :func:`active` for models whose layers drop keywords). The model's masks reach it
+the layer's slots in the :class:`~rmm.memory.SlotMemory` of the stream: the memory made :func:`active`
+for the forward pass (no keyword has to travel through the model's layers). The model's masks reach it
 unevaluated: :func:`model_mask` is registered as the attention's ``AttentionMaskInterface``, so each
 layer hands over the model's own mask function (causal, sliding window, attention chunks), which the
 memory evaluates at original positions. Nothing model-specific is copied.
@@ -120,7 +120,7 @@ def bounded_attention(
     query : [1, n_heads, Q, head_dim], rotated by the model at the positions the engine passed.
     key, value : [1, n_kv_heads, Q, head_dim] for the chunk's tokens.
     attention_mask : the model's mask for this layer type (:class:`ModelMask`; None: plain causal).
-    kv_memory : the engine's slot memory (else the memory of the stream running now).
+    kv_memory : a slot memory to use (default: the memory made :func:`active` for this pass).
     sliding_window : the layer's window W: keys W or more positions back are hidden.
     softcap : attention logit soft-capping, logits -> softcap * tanh(logits / softcap).
     s_aux : learned attention sinks [n_heads], one extra logit per head in the softmax's denominator.
@@ -268,8 +268,8 @@ def install(model: PreTrainedModel) -> Iterator[None]:
 
 @contextlib.contextmanager
 def active(memory: SlotMemory) -> Iterator[None]:
-    """``with active(memory):`` the bounded attention reads ``memory`` when no ``kv_memory`` keyword
-    reaches it (models whose layers drop keyword arguments)."""
+    """``with active(memory):`` the bounded attention reads ``memory`` during the block (the engine's
+    forward pass; no keyword has to travel through the model's layers, which some drop)."""
     _ACTIVE.append(memory)
     try:
         yield

@@ -40,8 +40,11 @@ PROBE_TOKENS = 48  # the probe's length when no window needs a longer one
 PROBE_PASSES = 4  # forward passes the probe is streamed in
 ROTATION_TOKENS = 24
 ROTATION_SHIFT = 101
-# max |dNLL| per token against the model's own forward; relative error of a rotation (per layer)
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}
+# against the model's own forward: fp32 bounds every token's |dNLL|; half precision, whose per-token rounding
+# reaches 0.95 nats (measured, docs/semantics.md), bounds the mean |dNLL| of every pass
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 0.2, torch.float16: 0.2}
+PER_TOKEN = (torch.float32, torch.float64)  # dtypes checked per token; the others per pass
+# relative error of a rotation (per layer)
 ROTATION_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
@@ -64,11 +67,13 @@ class Checkable(Protocol):
 @dataclass
 class SelfCheck:
     """What the self-check measured: probe length and passes, the largest |dNLL| against the model's own
-    forward (and its tolerance), each checked layer's rotation (name, relative error), wall time."""
+    forward, the largest mean |dNLL| of a pass, the tolerance of the dtype's statistic (the first in fp32,
+    the second in half precision), each checked layer's rotation (name, relative error), wall time."""
 
     probe_tokens: int
     passes: int
     max_abs_dnll: float
+    worst_pass_mean_dnll: float
     tolerance: float
     rotations: dict[int, tuple[str, float]] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -81,7 +86,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     try:
         probe = tokens[: probe_length(engine, tokens.numel())].to(engine.device)
         rotations = _check_rotation(engine, probe) if moves_positions(engine.plan) else {}
-        max_dnll, passes = _check_stream(engine, probe)
+        difference, step = _check_stream(engine, probe)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{integration.describe(model)} failed the self-check: {err}") from err
     except Exception as err:  # anything the probe trips over is a refusal, never a crash mid-run
@@ -90,13 +95,25 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
             f"{type(err).__name__}: {err}"
         ) from err
     tolerance = TOLERANCE.get(engine.dtype, 1e-4)
-    if not max_dnll <= tolerance:
+    max_dnll = float(difference.max())
+    pass_means = [float(part.mean()) for part in difference.split(step) if part.numel()]
+    per_token = engine.dtype in PER_TOKEN
+    measured, what = (max_dnll, "per-token NLL") if per_token else (max(pass_means), "a pass's mean NLL")
+    if not measured <= tolerance:
         raise UnsupportedModelError(
             f"{integration.describe(model)} failed the self-check: the probe streamed with an unlimited "
-            f"budget gives per-token NLL up to {max_dnll:.3g} nats from the model's own forward pass "
-            f"(tolerance {tolerance:g}), so the bounded attention does not reproduce this model's attention"
+            f"budget gives {what} up to {measured:.3g} nats from the model's own forward pass (tolerance "
+            f"{tolerance:g}), so the bounded attention does not reproduce this model's attention"
         )
-    return SelfCheck(probe.numel(), passes, max_dnll, tolerance, rotations, time.perf_counter() - start)
+    return SelfCheck(
+        probe.numel(),
+        len(pass_means),
+        max_dnll,
+        max(pass_means),
+        tolerance,
+        rotations,
+        time.perf_counter() - start,
+    )
 
 
 def probe_length(engine: Checkable, n_tokens: int) -> int:
@@ -124,8 +141,8 @@ def _everything(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
     return (key_pos[..., None, :] >= -1).expand(*key_pos.shape[:-1], query_pos.numel(), key_pos.shape[-1])
 
 
-def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[float, int]:
-    """(max |dNLL| against the model's own forward, passes); checks the attention calls."""
+def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(|dNLL| [n - 1] against the model's own forward, tokens per pass); checks the attention calls."""
     model, n = engine.model, probe.numel()
     with torch.no_grad():
         own = torch.log_softmax(model(input_ids=probe[None], use_cache=False).logits[0].float(), dim=-1)
@@ -147,7 +164,7 @@ def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[float, int]:
             if stop < n:
                 memory.compact(memory.alive(stop) if plan.rule is None else memory.chunk_key_pos() >= 0)
     _check_calls(engine, memory.calls, memory.passes)
-    return float((nll - own_nll).abs().max()), memory.passes
+    return (nll - own_nll).abs(), step
 
 
 def _check_calls(engine: Checkable, calls: list[int], passes: int) -> None:

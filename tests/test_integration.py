@@ -21,6 +21,7 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
+from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.integration import ATTENTION_NAME, bounded_attention, install
 from rmm.models import UnsupportedModelError
@@ -258,3 +259,16 @@ def test_install_restores_the_attention_implementation(tokens):
             assert model.config._attn_implementation == ATTENTION_NAME
             raise RuntimeError("left")
     assert model.config._attn_implementation == "eager"
+
+
+def test_half_precision_self_check_catches_a_missing_window(
+    windowed, tokens, monkeypatch: pytest.MonkeyPatch
+):
+    """In bf16 the self-check bounds each pass's mean |dNLL| (per-token rounding is too large to bound):
+    the right engine passes, one that forgets the model's window is refused."""
+    model = copy.deepcopy(windowed).to(torch.bfloat16)
+    check = engine(model, "h2o", budget=24).self_check(tokens)
+    assert check.worst_pass_mean_dnll <= check.tolerance and check.probe_tokens > WINDOW
+    monkeypatch.setattr(integration.Visibility, "__call__", lambda self, q, k: k[..., None, :] <= q[:, None])
+    with pytest.raises(UnsupportedModelError, match="a pass's mean NLL"):
+        engine(model, "h2o", budget=24).self_check(tokens)
