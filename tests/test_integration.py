@@ -272,3 +272,14 @@ def test_half_precision_self_check_catches_a_missing_window(
     monkeypatch.setattr(integration.Visibility, "__call__", lambda self, q, k: k[..., None, :] <= q[:, None])
     with pytest.raises(UnsupportedModelError, match="a pass's mean NLL"):
         engine(model, "h2o", budget=24).self_check(tokens)
+
+
+def test_recurrent_layers_refused(tokens):
+    """A checkpoint whose layer types include a convolutional layer (LFM2) would restart its state every
+    chunk: refused before any forward pass (the matrix builds transformers' default LFM2 config, which
+    has attention layers only, and finds it exact)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(**SMALL, num_key_value_heads=1, layer_types=["conv", "full_attention"])
+    with pytest.raises(UnsupportedModelError, match=r"not attention \(conv\)"):
+        engine(Lfm2ForCausalLM(config).eval(), "h2o")
