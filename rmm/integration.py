@@ -61,6 +61,8 @@ ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 # layer types (config.layer_types) whose layers attend through the attention function
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+# layer types without attention that carry no state from token to token (a chunk boundary changes nothing)
+STATELESS_LAYER_TYPES = frozenset({"mlp", "moe", "dense", "ffn"})
 
 # the memory of the stream running now; the attention function reads it (kv_memory keyword or this)
 _ACTIVE: list[SlotMemory] = []
@@ -335,7 +337,7 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
             "is rotated, which the slot memory does not hold; this model is not supported"
         )
     layer_types = list(getattr(config, "layer_types", None) or [])
-    other = sorted({kind for kind in layer_types if kind not in ATTENTION_LAYER_TYPES})
+    other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES - STATELESS_LAYER_TYPES)
     if other:
         raise UnsupportedModelError(
             f"{name} has layers that are not attention ({', '.join(other)}): their recurrent or "
