@@ -6,11 +6,12 @@
     python experiments/bench.py --out results/bench     # also write results/bench/speed_B256_T4096.md
 
 Prints tokens/s of the engine under every policy (position rules, attention-based and attention-free
-score-based policies), of a token-by-token physical-eviction loop (StreamingLLM's evaluation method:
-one token per forward, KV cache sliced after every step), and of plain forward passes over 2048-token
-windows, then the ratios the project's targets are stated in. With ``--repeats R`` the engine runs are
-repeated R times, interleaved (every policy once per round), and each policy's fastest round counts,
-which damps the effect of other load on a shared machine.
+score-based policies; expected_attention is attention-free: it records no attention probabilities and
+streams on the fused attention path, restkv records them), of a token-by-token physical-eviction loop
+(StreamingLLM's evaluation method: one token per forward, KV cache sliced after every step), and of plain
+forward passes over 2048-token windows, then the ratios the project's targets are stated in. With
+``--repeats R`` the engine runs are repeated R times, interleaved (every policy once per round), and each
+policy's fastest round counts, which damps the effect of other load on a shared machine.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from rmm.models import load_model
 from rmm.policies import make_policy
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-ATTENTION_FREE = ("knorm", "keydiff", "lagkv")
-ATTENTION_BASED = ("h2o", "rmm", "tova", "observed_attention", "snapkv", "lru")
+# attention-free: no attention probabilities recorded, the fused attention path (expected_attention reads
+# queries, keys and values); attention-based: the eager path that records them
+ATTENTION_FREE = ("knorm", "keydiff", "lagkv", "expected_attention")
+ATTENTION_BASED = ("h2o", "rmm", "tova", "observed_attention", "snapkv", "lru", "restkv")
 POLICIES = [  # (name, parameters, positions), measured side by side
     ("window", {}, "original"),
     ("streaming_llm", {}, "original"),
@@ -45,11 +48,13 @@ POLICIES = [  # (name, parameters, positions), measured side by side
     ("knorm", {}, "original"),
     ("keydiff", {}, "original"),
     ("lagkv", {}, "original"),
+    ("expected_attention", {}, "original"),
     ("h2o", {}, "original"),
     ("tova", {}, "original"),
     ("observed_attention", {}, "original"),
     ("snapkv", {}, "original"),
     ("lru", {}, "original"),
+    ("restkv", {}, "original"),
     ("rmm", {"lag": 64}, "original"),
     ("rmm", {"lag": 64}, "cache"),
     ("rmm", {"lag": 64, "weight": "gradient"}, "original"),
@@ -325,6 +330,8 @@ def main() -> None:
 
     print("\nratios (target: engine >= 15x loop, >= 0.8x forward)")
     for key in ("window/original", "streaming_llm/original", "streaming_llm/cache"):
+        if key not in rates:  # left out by --policies
+            continue
         print(
             f"  {key:24s} / loop = {rates[key] / rates['loop']:6.1f}x   / forward = "
             f"{rates[key] / rates['forward']:5.2f}x"

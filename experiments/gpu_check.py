@@ -46,7 +46,9 @@ from rmm.matrix import (
     CASES,
     case_id,
     distinct_stream,
+    ranked_by_rounding,
     ranks_keys,
+    runs_under,
     sampled_stream,
     set_recorder,
     tiny_model,
@@ -74,6 +76,8 @@ def matrix_cases(archs: list[str], every_case: bool = True) -> list[tuple[str, s
         archs, cases, [1, 4], ["original", "cache"]
     ):
         if name == "rmm" and params["lag"] >= MATRIX_BUDGET - chunk + 1:
+            continue
+        if not runs_under(name, params, positions) or ranked_by_rounding(arch, name, params):
             continue
         out.append((arch, name, params, chunk, positions))
     return out

@@ -25,11 +25,13 @@ POLICY_TABLE: dict[str, PolicyStyle] = {
     "knorm": PolicyStyle("knorm", "tab:cyan"),
     "keydiff": PolicyStyle("keydiff", "teal"),
     "lagkv": PolicyStyle("lagkv", "slateblue"),
+    "expected_attention": PolicyStyle("expected_attention", "darkslategray"),
     "tova": PolicyStyle("tova", "tab:purple"),
     "snapkv": PolicyStyle("snapkv", "tab:pink"),
     "lru": PolicyStyle("lru", "goldenrod"),
     "h2o": PolicyStyle("h2o", "tab:orange"),
     "observed_attention": PolicyStyle("observed_attention", "sienna"),
+    "restkv": PolicyStyle("restkv", "magenta"),
     "rmm": PolicyStyle("rmm", "tab:red"),
     "oracle": PolicyStyle("oracle", "tab:green"),
 }

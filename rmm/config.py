@@ -139,11 +139,13 @@ def check_run(cfg: Mapping[str, Any]) -> None:
     from rmm.data import check_dataset
     from rmm.policies import make_policy
     from rmm.policies.select import check_allocation
+    from rmm.recording import check_positions
 
     check_dataset(cfg["dataset"])
     policy = make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])
     allocation = cfg.get("allocation", "uniform")
     check_allocation(allocation, cfg["scope"], cfg["positions"], policy)
+    check_positions(policy, cfg["positions"])
 
 
 register_resolvers()

@@ -111,6 +111,12 @@ class StreamingEngine:
                 f"{policy.name} needs; use positions=original with a policy that reads no keys or queries"
             )
         self.max_positions = None if self.rotary.candidates else dims["max_position_embeddings"]
+        # model constants a policy may declare in `needs`, read once and handed to every observation
+        self.constants: dict[str, object] = {}
+        if "output_projection" in getattr(policy, "needs", ()):
+            self.constants["output_projection"] = integration.output_projections(model).to(self.device)
+        if "rotation" in getattr(policy, "needs", ()):
+            self.constants["rotary"] = self.rotary  # calibrated in place by the self-check
         self.checked: SelfCheck | None = None
 
     def self_check(self, tokens: torch.Tensor) -> SelfCheck:
@@ -211,9 +217,8 @@ class StreamingEngine:
                 outcomes = {}
                 if "outcomes" in policy.needs:
                     outcomes = _outcomes(query_pos, token_nll, token_correct)
-                obs = Observation(
-                    memory.chunk_key_pos(), query_pos, **memory.observed(policy.needs), **outcomes
-                )
+                observed = memory.observed(policy.needs)
+                obs = Observation(memory.chunk_key_pos(), query_pos, **observed, **outcomes, **self.constants)
                 policy.observe(memory.state_view(), obs)
             if observer is not None:
                 observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)

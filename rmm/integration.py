@@ -240,6 +240,49 @@ def _cpu_kernel_with_lse(query: torch.Tensor) -> bool:
     return query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
 
 
+# the attribute of an attention module (the module with a ``layer_idx`` that holds one of these linear
+# layers) that projects the heads' concatenated outputs back to the hidden size
+OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj")
+
+
+def output_projections(model: PreTrainedModel) -> torch.Tensor:
+    """[L, H, hidden, G * D] float32: per layer and KV head, the columns of the attention output projection
+    W_o [hidden, n_heads * D] that the KV head's query heads h * G .. h * G + G - 1 feed, in that order.
+
+    The attention module of layer l is the module whose ``layer_idx`` is l and which holds a linear
+    ``o_proj`` (Llama, Qwen2, Mistral, Gemma), ``dense`` (GPT-NeoX) or ``out_proj``; its input is the
+    heads' outputs concatenated head by head. A model without exactly one per layer is refused.
+    """
+    config = model.config.get_text_config()
+    n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    found: dict[int, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        layer = getattr(module, "layer_idx", None)
+        linears = [getattr(module, attr) for attr in OUTPUT_PROJECTIONS if hasattr(module, attr)]
+        linears = [linear for linear in linears if isinstance(linear, torch.nn.Linear)]
+        if layer is None or not linears:
+            continue
+        if len(linears) > 1 or layer in found:
+            raise UnsupportedModelError(f"{name}: more than one output projection for layer {layer}")
+        found[int(layer)] = linears[0].weight
+    if sorted(found) != list(range(n_layers)):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found output projections ({', '.join(OUTPUT_PROJECTIONS)}) for layers "
+            f"{sorted(found)}, expected one for each of its {n_layers} layers"
+        )
+    per_layer = []
+    for layer in range(n_layers):
+        weight = found[layer].detach().float()  # [hidden, n_heads * D]
+        hidden, columns = weight.shape
+        if columns % n_heads:
+            raise UnsupportedModelError(
+                f"layer {layer}: output projection input {columns} is not n_heads ({n_heads}) * D"
+            )
+        per_layer.append(weight.view(hidden, n_kv, columns // n_kv).transpose(0, 1))  # [H, hidden, G * D]
+    return torch.stack(per_layer).contiguous()
+
+
 def cache_keyword(model: PreTrainedModel) -> str:
     """The forward keyword for a KV cache: ``cache`` in recent transformers 5, ``past_key_values`` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

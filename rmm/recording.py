@@ -37,7 +37,8 @@ class RecordingPlan:
     decision_chunk : C, tokens between two boundaries.
     record_attention : attention probabilities [L, H, C, S] are computed and kept (the eager path).
     record_queries : the chunk's unrotated queries [L, H, G, C, D] are kept.
-    raw_keys : a second, unrotated copy of the keys is kept (original positions, a policy reads keys).
+    raw_keys : a second, unrotated copy of the keys is kept (original positions, a policy reads keys,
+        unless it reads them as cached: ``ScorePolicy.cached_keys``).
     store_unrotated : keys are stored unrotated and rotated to their rank at use (cache positions,
         score-based policies).
     track_gradient : the chunk's forward pass runs with autograd for the gradient utility [L, H, C, S].
@@ -120,6 +121,7 @@ def recording_plan(
             raise ValueError(f"allocation={allocation} needs the model's (n_layers, n_kv_heads)")
         capacity = retained_slots(allocation, capacity, policy.protected, *shape)
     needs = policy.needs
+    check_positions(policy, positions)
     store_unrotated = positions == "cache"
     return RecordingPlan(
         rule=None,
@@ -128,10 +130,22 @@ def recording_plan(
         # the gradient utility is built from the attention probabilities
         record_attention=bool({"attention", "gradient"} & needs),
         record_queries="queries" in needs,
-        raw_keys="keys" in needs and not store_unrotated,
+        # a policy that reads the keys as cached reads the memory's own (rotated) keys
+        raw_keys="keys" in needs and not store_unrotated and not policy.cached_keys,
         store_unrotated=store_unrotated,
         track_gradient="gradient" in needs,
         n_sink_slots=0,
         sink_rank=policy.budget,
         state_names=tuple(policy.state_names),
     )
+
+
+def check_positions(policy: Policy, positions: str) -> None:
+    """Refuse ``positions=cache`` for a policy that reads keys as cached (:attr:`ScorePolicy.cached_keys`):
+    there the memory holds keys unrotated and rotates them to a new rank at every chunk."""
+    if positions == "cache" and isinstance(policy, ScorePolicy) and policy.cached_keys:
+        raise ValueError(
+            f"policy {policy.name} with policy.variant={getattr(policy, 'variant', None)} scores the keys "
+            "as the cache holds them at their original positions, which positions=cache does not keep; "
+            "use positions=original"
+        )

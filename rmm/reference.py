@@ -18,8 +18,10 @@ In particular it has
 - its own model shape reading, its own seeded hash for ``random`` (splitmix64 on Python integers),
   its own oracle reference attention (a plain full forward pass, or this decoder under ``window``
   for a windowed reference context);
-- its own rules for the policies that rank keys and values (knorm, keydiff, lagkv): each key is rotated
-  back, in float64 with this RoPE, from the position the model produced it at;
+- its own rules for the policies that rank keys and values (knorm, keydiff, lagkv, expected_attention):
+  each key is rotated back, in float64 with this RoPE, from the position the model produced it at
+  (expected_attention's queries likewise, as the model's attention call received them), and its own
+  reading of each layer's output projection W_o from the model (restkv);
 - its own scores: accumulated attention in float64 dictionaries, ranking by explicit sorting
   (higher score kept, ties to the more recent position, as the protocol states).
 """
@@ -51,7 +53,7 @@ class ReferenceSpec:
     lag: int = 0
     weight: str = "correct"
     after_commit: str = "accumulate"
-    variant: str = "next_use"
+    variant: str = "next_use"  # oracle's; knorm, keydiff, lagkv, snapkv, tova, observed_attention: "kvpress"
     tau: float = 0.02
     seed: int = 0
     context: int | None = None
@@ -59,6 +61,11 @@ class ReferenceSpec:
     kernel: int = 5
     pooling: str = "avg"
     partition: int = 32
+    beta: float = 0.8  # restkv: the EMA factor over the chunk's queries
+    n_future_positions: int = 512  # expected_attention: F, and its switches
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
     gradient_loss: str = "chunk"  # rmm weight=gradient: the chunk's summed NLL, or each query's own ("query")
     retained_log: list = field(default_factory=list)  # R_t per query t: [L][H] sorted position lists
     attention_log: list = field(default_factory=list)  # per query t: [L][H] {key position: attention}
@@ -442,7 +449,8 @@ def _cache(
 
 
 # the pass being run: "queries" -> the queries' original positions; layer -> per KV head the position
-# each key column holds (None: a shorter head's padding), the pass's own keys last
+# each key column holds (None: a shorter head's padding), the pass's own keys last; ("query", layer) ->
+# the query heads' vectors [n_heads, Q, head_dim] as the model rotated them (expected_attention reads them)
 _PASS: dict = {}
 # layer -> the model's mask function in the last pass (causal, sliding window, attention chunks)
 _MASKS: dict[int, Callable] = {}
@@ -461,6 +469,7 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
     layer = module.layer_idx
     if isinstance(attention_mask, _ModelMask):
         _MASKS[layer] = attention_mask.mask_function
+    _PASS["query", layer] = query[0].detach()
     queries, columns = _PASS["queries"], _PASS[layer]
     blocked = []  # per KV head, query and column: padding, the future, or hidden by the layer's window
     for head in columns:
@@ -690,6 +699,8 @@ def _rmm(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
 
 def _tova(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """The attention of the latest query, a_{now-1}(j)."""
+    if spec.variant == "kvpress":
+        return _tova_kvpress(spec, record, layer, h, candidates, now, capacity)
     latest = record["rows"][now - 1][layer][h]
     return {j: latest[j] for j in candidates}
 
@@ -732,14 +743,18 @@ def _unrotated(record, source: str, layer: int, h: int, j: int) -> list[float]:
 
 
 def _observed_attention(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
-    """A_j / n_j; the r = floor(rho * B') most recent positions kept."""
+    """A_j / n_j (``kvpress``: A_j / (G n_j), the mean over the group's query heads); the
+    r = floor(rho * B') most recent positions kept."""
     recent = int(spec.rho * capacity)
     acc, count = record["attention_sum"][layer][h], record["count"][layer][h]
-    return {j: math.inf if j >= now - recent else acc[j] / count[j] for j in candidates}
+    group = _group(record["model"]) if spec.variant == "kvpress" else 1
+    return {j: math.inf if j >= now - recent else acc[j] / count[j] / group for j in candidates}
 
 
 def _snapkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Mean attention of the chunk's last min(window, C) queries, pooled over position-sorted neighbours."""
+    if spec.variant == "kvpress":
+        return _snapkv_kvpress(spec, record, layer, h, candidates, now, capacity)
     rows = [record["rows"][s][layer][h] for s in range(now - min(spec.window, spec.chunk), now)]
     mean = [math.fsum(row.get(j, 0.0) for row in rows) / len(rows) for j in candidates]
     half, scores = spec.kernel // 2, {}
@@ -762,13 +777,17 @@ def _significant(x: float, digits: int = SCORE_DIGITS) -> float:
 
 
 def _knorm(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
-    """Minus the L2 norm of the unrotated key, at SCORE_DIGITS significant digits."""
+    """Minus the L2 norm of the unrotated key, at SCORE_DIGITS significant digits (``kvpress``: unrounded)."""
+    if spec.variant == "kvpress":
+        return {j: -math.hypot(*_unrotated(record, "keys", layer, h, j)) for j in candidates}
     return {j: -_significant(math.hypot(*_unrotated(record, "keys", layer, h, j))) for j in candidates}
 
 
 def _keydiff(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Minus the cosine similarity of the unrotated key to the mean normalised key, at SCORE_DIGITS
     significant digits."""
+    if spec.variant == "kvpress":
+        return _keydiff_kvpress(spec, record, layer, h, candidates, now, capacity)
     units = {}
     for j in candidates:
         k = _unrotated(record, "keys", layer, h, j)
@@ -789,6 +808,8 @@ def _lru(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
 def _lagkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """Partition k = positions [S + kP, S + (k + 1)P), scored against partition k + 1 once that one is
     whole; sinks and positions of partitions not yet scored are kept."""
+    if spec.variant == "kvpress":
+        return _lagkv_kvpress(spec, record, layer, h, candidates, now, capacity)
     size, sinks = spec.partition, spec.sinks
     scores = {}
     for j in candidates:
@@ -812,6 +833,221 @@ def _lagkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, float
             top = max(spread.values())
             scores[j] += math.exp(spread[j] - top) / math.fsum(math.exp(v - top) for v in spread.values())
         scores[j] = _significant(scores[j])
+    return scores
+
+
+# ---- variant=kvpress: the scores of kvpress 0.5.5's presses on the same state (docs/semantics.md) ---------
+# (any other ``variant`` of these six policies is the harness's definition above)
+
+
+def _group(model: PreTrainedModel) -> int:
+    """G, the query heads per KV head, from the config."""
+    return model.config.get_text_config().num_attention_heads // model_shape(model)[1]
+
+
+def _cached(spec, record, source: str, layer: int, h: int, j: int) -> list[float]:
+    """Key j as the cache holds it (as the model rotated it, at its original position) or value j."""
+    if spec.positions != "original":
+        raise ValueError(
+            "variant=kvpress scores keys as cached at their original positions: positions=original"
+        )
+    return record[source][layer][h][j].double().tolist()
+
+
+def _keydiff_kvpress(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """KeyDiffPress: minus the cosine similarity of the cached key to the mean of the normalised keys."""
+    keys = {j: _cached(spec, record, "keys", layer, h, j) for j in candidates}
+    units = {j: [x / math.hypot(*k) for x in k] for j, k in keys.items()}
+    dims = range(len(keys[candidates[0]]))
+    mean = [math.fsum(units[j][c] for j in candidates) / len(candidates) for c in dims]
+    return {
+        j: -math.fsum(x * m for x, m in zip(k, mean, strict=True)) / (math.hypot(*k) * math.hypot(*mean))
+        for j, k in keys.items()
+    }
+
+
+def _lagkv_kvpress(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """LagKVPress (cross_scoring=False) over the candidates as a cache (sorted positions, indices 0..n-1):
+    the first S indices and the tail score 1; each whole partition of P indices but the last is ranked,
+    rank / P, by the mean of its keys' and values' softmax spreads against the next partition; fewer than
+    S + 2P entries score (i - S) / (n - S) by index i (sinks 1)."""
+    size, sinks, n = spec.partition, spec.sinks, len(candidates)
+    if n < sinks + 2 * size:
+        return {j: 1.0 if i < sinks else (i - sinks) / (n - sinks) for i, j in enumerate(candidates)}
+    end = sinks + (n - sinks) // size * size
+    scores = dict.fromkeys(candidates, 1.0)
+    for start in range(sinks, end - size, size):
+        part, reference = candidates[start : start + size], candidates[start + size : start + 2 * size]
+        total = dict.fromkeys(part, 0.0)
+        for source in ("keys", "values"):
+            rows = {i: _cached(spec, record, source, layer, h, i) for i in [*part, *reference]}
+            dims = range(len(rows[part[0]]))
+            low = [min(rows[i][c] for i in reference) for c in dims]
+            high = [max(rows[i][c] for i in reference) for c in dims]
+            spread = {}
+            for i in part:
+                normed = [(rows[i][c] - low[c]) / (high[c] - low[c]) for c in dims]
+                mean = math.fsum(normed) / len(normed)
+                spread[i] = math.sqrt(math.fsum((x - mean) ** 2 for x in normed) / (len(normed) - 1))
+            top = max(spread.values())
+            weights = {i: math.exp(v - top) for i, v in spread.items()}
+            for i in part:
+                total[i] += weights[i] / math.fsum(weights.values()) / 2
+        for rank, j in enumerate(sorted(part, key=lambda i: (total[i], i))):  # noqa: B023
+            scores[j] = rank / size
+    return scores
+
+
+def _snapkv_kvpress(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """SnapKVPress: the mean over the group's query heads of the window's mean attention, pooled (sum of the
+    k places centred on j over k) over the candidates before the window only, zeros beyond them."""
+    if spec.pooling != "avg":
+        raise ValueError("variant=kvpress pools as SnapKVPress does: pooling=avg")
+    rows = [record["rows"][s][layer][h] for s in range(now - min(spec.window, spec.chunk), now)]
+    group = _group(record["model"])
+    older = [j for j in candidates if j < now - spec.window]
+    mean = [math.fsum(row.get(j, 0.0) for row in rows) / len(rows) / group for j in older]
+    half = spec.kernel // 2
+    scores = dict.fromkeys(candidates, math.inf)
+    for i, j in enumerate(older):
+        around = [mean[i + d] if 0 <= i + d < len(older) else 0.0 for d in range(-half, half + 1)]
+        scores[j] = math.fsum(around) / spec.kernel
+    return scores
+
+
+def _tova_kvpress(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """TOVAPress: the latest query's attention on j averaged over all the layer's query heads (the same
+    score in every KV head); the latest query's own key kept."""
+    rows = record["rows"][now - 1][layer]  # per KV head {j: a_{now-1}(j)}, group summed
+    heads = record["model"].config.get_text_config().num_attention_heads
+    return {
+        j: math.inf if j == now - 1 else math.fsum(row.get(j, 0.0) for row in rows) / heads
+        for j in candidates
+    }
+
+
+# ---- restkv, expected_attention (2026 baselines) --------------------------------------------------
+
+
+def _output_columns(record: dict, layer: int, h: int) -> list[list[float]]:
+    """Wbar_h [hidden][D]: the columns of ``layer``'s attention output projection (the linear ``o_proj``,
+    ``dense`` or ``out_proj`` of the module whose ``layer_idx`` is ``layer``, read from the model) that
+    the KV head's query heads h G + g feed, summed over g (float64)."""
+    cached = record.setdefault("output_columns", {})
+    if (layer, h) not in cached:
+        model = record["model"]
+        head_dim, group = model_shape(model)[2], _group(model)
+        linears = [
+            getattr(module, name)
+            for module in model.modules()
+            if getattr(module, "layer_idx", None) == layer
+            for name in ("o_proj", "dense", "out_proj")
+            if isinstance(getattr(module, name, None), torch.nn.Linear)
+        ]
+        assert len(linears) == 1, f"layer {layer}: {len(linears)} output projections"
+        weight = linears[0].weight.detach().double()  # [hidden, n_heads * D], head by head
+        heads = [weight[:, q * head_dim : (q + 1) * head_dim] for q in range(h * group, (h + 1) * group)]
+        cached[layer, h] = sum(heads).tolist()
+    return cached[layer, h]
+
+
+def _restkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """p_j / max(1 - p_j, 1e-6) * ||Wbar_h (o - v_j)||: m the EMA (``beta``) over the chunk's queries of
+    the group's mean attention, o = sum_j m_j v_j, p_j the mean of m over the ``kernel`` position-sorted
+    candidates centred on j (a missing neighbour counts 0)."""
+    group, queries = _group(record["model"]), list(range(now - spec.chunk, now))
+    n_q, beta = len(queries), spec.beta
+    weights = [beta ** (n_q - 1)] + [(1 - beta) * beta ** (n_q - 1 - i) for i in range(1, n_q)]
+    terms: dict[int, list[float]] = {}
+    for w, s in zip(weights, queries, strict=True):
+        for j, a in record["rows"][s][layer][h].items():  # every key s saw (0 for the others)
+            terms.setdefault(j, []).append(w * a / group)
+    ema = {j: math.fsum(parts) for j, parts in terms.items()}
+    values = {j: record["values"][layer][h][j].double().tolist() for j in set(ema) | set(candidates)}
+    dims = range(len(values[candidates[0]]))
+    output = [math.fsum(ema[j] * values[j][c] for j in ema) for c in dims]
+    columns = _output_columns(record, layer, h)
+
+    def projected_norm(x: list[float]) -> float:  # ||Wbar x||
+        return math.sqrt(math.fsum(math.fsum(row[c] * x[c] for c in dims) ** 2 for row in columns))
+
+    half, scores, n = spec.kernel // 2, {}, len(candidates)
+    for i, j in enumerate(candidates):
+        around = [ema.get(candidates[i + d], 0.0) for d in range(-half, half + 1) if 0 <= i + d < n]
+        p = math.fsum(around) / spec.kernel
+        size = projected_norm([output[c] - values[j][c] for c in dims])
+        if size <= 1e-5 * (projected_norm(output) + projected_norm(values[j])):  # o = v_j up to rounding
+            size = 0.0
+        scores[j] = p / max(1.0 - p, 1e-6) * size
+    return scores
+
+
+def _expected_attention_observe(spec: ReferenceSpec, record: dict, t: int) -> None:
+    """Keep query t's vectors of every layer, [n_heads][D], rotated back from the position the model
+    rotated them at (the model's attention call of t's own pass left them in :data:`_PASS`)."""
+    queries = record.setdefault("queries", {})
+    for layer, (inv_freq, pairing) in enumerate(record["inv_freq"]):
+        rotated = _PASS["query", layer][:, -1].double()  # [n_heads, D]
+        shift = [-record["made_at"][t]] * rotated.shape[0]
+        queries[layer, t] = rope_rotate(rotated, shift, inv_freq, pairing).tolist()
+
+
+def _mean_rotation(record: dict, layer: int, future: int) -> list[list[float]]:
+    """Rbar [D][D] = (1 / F) sum_{d < F} R_d, the layer's rotation by d positions averaged over F."""
+    cached = record.setdefault("mean_rotation", {})
+    if (layer, future) not in cached:
+        head_dim = model_shape(record["model"])[2]
+        inv_freq, pairing = record["inv_freq"][layer]
+        basis = torch.eye(head_dim, dtype=torch.float64).repeat(future, 1)  # row d * D + c: e_c
+        shift = [float(d) for d in range(future) for _ in range(head_dim)]
+        rotated = rope_rotate(basis, shift, inv_freq, pairing).view(future, head_dim, head_dim)  # R_d e_c
+        cached[layer, future] = (rotated.sum(0) / future).T.tolist()  # column c: Rbar e_c
+    return cached[layer, future]
+
+
+def _expected_attention(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """(mean over the group of softmax_j z_{g,j} + epsilon) * ||v_j||, with z_{g,j} the expected logit of
+    the key R_{j-now} k_j under the mean and covariance of the chunk's queries at positions >= sinks,
+    rotated by Rbar; the first ``sinks`` positions kept."""
+    inv_freq, pairing = record["inv_freq"][layer]
+    head_dim, group = model_shape(record["model"])[2], _group(record["model"])
+    dims = range(head_dim)
+    rbar = _mean_rotation(record, layer, spec.n_future_positions)
+    used = [s for s in range(now - spec.chunk, now) if s >= spec.sinks]
+    keys = {}
+    for j in candidates:
+        if j >= spec.sinks:
+            k = torch.tensor([_unrotated(record, "keys", layer, h, j)], dtype=torch.float64)
+            keys[j] = rope_rotate(k, [float(j - now)], inv_freq, pairing)[0].tolist()
+    expected = dict.fromkeys(keys, 0.0)
+    for q in range(h * group, (h + 1) * group):
+        vectors = [record["queries"][layer, s][q] for s in used]
+        n = max(len(vectors), 1)  # no query: mean and covariance 0
+        mean = [math.fsum(x[c] for x in vectors) / n for c in dims]
+        centred = [[x[c] - mean[c] for c in dims] for x in vectors]
+        cov = [[math.fsum(x[a] * x[b] for x in centred) / n for b in dims] for a in dims]
+        mu = [math.fsum(rbar[r][c] * mean[c] for c in dims) for r in dims]  # Rbar mu
+        left = [[math.fsum(rbar[r][c] * cov[c][b] for c in dims) for b in dims] for r in dims]  # Rbar Sigma
+        sigma = [[math.fsum(left[r][c] * rbar[b][c] for c in dims) for b in dims] for r in dims]  # .. Rbar^T
+        logits = {}
+        for j, k in keys.items():
+            logits[j] = math.fsum(mu[c] * k[c] for c in dims) / math.sqrt(head_dim)
+            if spec.use_covariance:
+                quadratic = math.fsum(k[a] * sigma[a][b] * k[b] for a in dims for b in dims)
+                logits[j] += quadratic / (2 * head_dim)
+        top = max(logits.values(), default=0.0)
+        total = math.fsum(math.exp(z - top) for z in logits.values())
+        for j, z in logits.items():
+            expected[j] += math.exp(z - top) / total / group
+    scores = {}
+    for j in candidates:
+        if j < spec.sinks:
+            scores[j] = math.inf
+        elif spec.use_vnorm:
+            norm = math.hypot(*record["values"][layer][h][j].double().tolist())
+            scores[j] = (expected[j] + spec.epsilon) * norm
+        else:
+            scores[j] = expected[j]
     return scores
 
 
@@ -876,6 +1112,10 @@ RULES: dict[str, Rule] = {
     "keydiff": Rule(score=_keydiff, reads_keys=True),
     "lru": Rule(score=_lru, reduce=_latest),
     "lagkv": Rule(score=_lagkv, protected=lambda spec, capacity: 2 * spec.partition - 1, reads_keys=True),
+    "restkv": Rule(score=_restkv),
+    "expected_attention": Rule(
+        score=_expected_attention, observe=_expected_attention_observe, reads_keys=True
+    ),
 }
 POSITION_RULES = tuple(name for name, rule in RULES.items() if rule.visible is not None)
 SCORE_POLICIES = tuple(name for name, rule in RULES.items() if rule.score is not None)

@@ -221,6 +221,7 @@ ADDED_KEY_DEFAULTS: dict[str, object] = {
     "policy.weight": "correct",  # the oracle's weight (read by future_utility only) came with that variant
     "allocation": "uniform",  # budget allocation across heads and layers; before it, every head kept B'
     "layers": "all",  # the policy in global layers only (hybrid models); before it, in every layer
+    "policy.variant": "harness",  # kvpress-named policies: the press's own score (kvpress), or the harness's
 }
 
 

@@ -127,6 +127,11 @@ def test_attended_counts_follow_the_budget(tiny_models, streams):
         ({"name": "lru", "tau": 0.0}, 64, 8, "policy.tau must be > 0"),
         ({"name": "lagkv", "partition": 1}, 64, 8, "policy.partition must be >= 2"),
         ({"name": "lagkv", "partition": 28}, 64, 8, "policy.sinks + 2 * policy.partition - 1 (59)"),
+        ({"name": "restkv", "beta": 1.0}, 64, 8, "policy.beta must be in [0, 1)"),
+        ({"name": "restkv", "kernel": 2}, 64, 8, "policy.kernel must be an odd integer"),
+        ({"name": "expected_attention", "n_future_positions": 0}, 64, 8, "policy.n_future_positions must be"),
+        ({"name": "expected_attention", "sinks": 57}, 64, 8, "policy.sinks (57) must be smaller"),
+        ({"name": "expected_attention", "epsilon": -1.0}, 64, 8, "policy.epsilon must be >= 0"),
         ({"name": "h2o", "rho": 1.0}, 64, 8, "policy.rho must be in [0, 1)"),
         ({"name": "random", "rho": -0.1}, 64, 8, "policy.rho must be in [0, 1)"),
         ({"name": "oracle", "variant": "psychic"}, 64, 8, "policy.variant must be one of"),
@@ -209,6 +214,7 @@ def test_attention_free_policies_keep_the_fused_path(tiny_models):
         ("knorm", {}),
         ("keydiff", {}),
         ("lagkv", {"partition": 2, "sinks": 0}),
+        ("expected_attention", {"sinks": 0}),
         ("h2o", {}),
     ]:
         policy = make_policy({"name": name, **params}, budget=12, chunk=4)

@@ -23,7 +23,9 @@ from rmm.matrix import (
     SLIDING_WINDOW,
     case_id,
     distinct_stream,
+    ranked_by_rounding,
     ranks_keys,
+    runs_under,
     sampled_stream,
     set_recorder,
     tiny_model,
@@ -178,6 +180,8 @@ def matrix():
     seen = set()
     for arch in ARCHS:
         for (name, params), ident in zip(CASES, CASE_IDS, strict=True):
+            if ranked_by_rounding(arch, name, params):
+                continue
             variant = (arch, name) in seen
             seen.add((arch, name))
             chunks = [chunk for chunk in CHUNKS if fits(name, params, chunk)]
@@ -199,7 +203,7 @@ def matrix():
 @pytest.mark.parametrize(("arch", "name", "params", "chunk"), matrix())
 def test_engine_matches_reference(tiny_models, streams, arch, name, params, chunk):
     tokens = distinct_stream(STREAM_LENGTH) if ranks_keys(name) else streams[arch]
-    for positions in POSITIONS:
+    for positions in [p for p in POSITIONS if runs_under(name, params, p)]:
         check_against_reference(tiny_models[arch], tokens, arch, name, params, chunk, positions)
 
 
@@ -211,6 +215,10 @@ def test_layers_global_matches_reference(tiny_models, streams, name, params, chu
     keeps what its own window shows (every policy, both position modes)."""
     if not fits(name, params, chunk):
         pytest.skip("the case does not fit this chunk")
+    if not runs_under(name, params, positions):
+        pytest.skip(f"the case does not run under positions={positions}")
+    if ranked_by_rounding("gemma3", name, params):
+        pytest.skip("every score of the case is equal on this model: rounding would rank them")
     tokens = distinct_stream(STREAM_LENGTH) if ranks_keys(name) else streams["gemma3"]
     sets = check_against_reference(
         tiny_models["gemma3"], tokens, "gemma3", name, params, chunk, positions, layers="global"

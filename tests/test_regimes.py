@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments import regimes
+from experiments import regimes, regimes_t
 from rmm.bootstrap import replicate_means
 from rmm.data import load_documents
 from rmm.engine import StreamResult
@@ -106,3 +106,18 @@ def test_incomplete_cells_are_not_compared(study: Path, tmp_path: Path) -> None:
     only_h2o = regimes.comparisons(frame[frame["policy"] == "h2o"], n_resamples=100)
     assert only_h2o.empty
     assert not regimes.phase_map(only_h2o, "dataset.echo_gap", "lag", {}, tmp_path / "map.png", "none")
+
+
+def test_per_seed_t_intervals_beside_the_bootstrap(study: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert regimes.main([str(study), "--out", str(out), "--n-resamples", "300"]) == 0
+    t_out = out / "t_intervals.md"
+    args = [str(study), "--comparisons", str(out / "comparisons.csv"), "--out", str(t_out)]
+    assert regimes_t.main(args) == 0
+    comparisons = pd.read_csv(out / "comparisons.csv")
+    table = regimes_t.joined(comparisons, regimes_t.seed_rows(regimes.collect([study], intervals=False)))
+    assert len(table) == comparisons["ratio"].notna().sum()  # every ratio row, no share row
+    versus_h2o = table[table["comparison"] == "rmm(correct) / h2o"]
+    assert versus_h2o["t_resolved"].all() and (versus_h2o["t_high"] < 1).all()  # built 1 nat lower per seed
+    assert np.allclose(versus_h2o["t_ratio"], versus_h2o["ratio"])  # equal seed sizes: same mean
+    assert f"{len(table)} ratio rows" in t_out.read_text()

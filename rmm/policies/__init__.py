@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rmm.policies.base import NEEDS, Observation, Policy, PositionRule, ReferencePass, ScorePolicy
+from rmm.policies.expected_attention import ExpectedAttention
 from rmm.policies.full import Full
 from rmm.policies.h2o import H2O
 from rmm.policies.keydiff import KeyDiff
@@ -15,6 +16,7 @@ from rmm.policies.lru import LRU
 from rmm.policies.observed_attention import ObservedAttention
 from rmm.policies.oracle import Oracle
 from rmm.policies.random_subset import RandomSubset
+from rmm.policies.restkv import ReSTKV
 from rmm.policies.rmm import RMM
 from rmm.policies.snapkv import SnapKV
 from rmm.policies.streaming_llm import StreamingLLM
@@ -50,6 +52,8 @@ POLICIES = registry(
         KeyDiff,
         LRU,
         LagKV,
+        ReSTKV,
+        ExpectedAttention,
     )
 )
 

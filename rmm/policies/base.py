@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 NEVER = float("inf")
 
-# what a policy may declare in ``needs``
-NEEDS = ("attention", "keys", "values", "queries", "outcomes", "gradient")
+# what a policy may declare in ``needs``: what a chunk records, then the model constants the engine reads
+# once per stream (:class:`rmm.engine.StreamingEngine`)
+NEEDS = ("attention", "keys", "values", "queries", "outcomes", "gradient", "output_projection", "rotation")
 
 # the oracle's reference pass for a document: tokens [n] -> recorded future requests
 ReferencePass = Callable[[torch.Tensor], "FutureRequests"]
@@ -50,7 +51,8 @@ class Observation:
         queries, summed over the query heads of each KV head's group; 0 where s cannot see j.
     keys (``keys``) : [L, H, S, D], **unrotated** (pre-RoPE) keys, whatever ``positions`` is, so they
         do not depend on the position mode. Channels past the model's rotary dimension (GPT-NeoX's
-        partial rotary) are as the model produced them.
+        partial rotary) are as the model produced them. A policy whose :attr:`ScorePolicy.cached_keys`
+        is set gets them as the cache holds them instead: rotated at their original positions.
     values (``values``) : [L, H, S, D].
     queries (``queries``) : [L, H, G, Q, D], **unrotated** (pre-RoPE) queries of the chunk.
     correct, prob, nll (``outcomes``) : [Q] float32, per query s: 1.0 where argmax p(. | s) = x_{s+1},
@@ -62,6 +64,15 @@ class Observation:
         u_s(j) = a_s(j) * (<g_s, o_s> - <g_s, v_j>), g_s = dl/do_s at the head's attention output o_s.
         Positive where attending to j lowered the loss; 0 where s cannot see j. Only this need turns
         on autograd, and only for the chunk's forward pass.
+
+    Model constants, the same at every chunk of a stream (read once per stream, :mod:`rmm.projections`):
+
+    output_projection (``output_projection``) : [L, H, hidden, G * D] float32, the columns of each layer's
+        attention output projection W_o that the G query heads of KV head h feed (query head h * G + g
+        owns columns [g * D, (g + 1) * D)).
+    rotary (``rotation``) : the layers' rotary positions (:class:`rmm.rotary.Rotary`, as calibrated by
+        the self-check): ``rotary.rotate(x, delta, layer)`` rotates x [..., P, D] by ``delta`` positions,
+        ``rotary.table`` / ``rotary.apply`` the same in two steps.
     """
 
     key_pos: torch.Tensor
@@ -74,6 +85,8 @@ class Observation:
     prob: torch.Tensor
     nll: torch.Tensor
     gradient: torch.Tensor
+    output_projection: torch.Tensor
+    rotary: Any
 
     _NEED_OF = {
         "attention": "attention",
@@ -84,6 +97,8 @@ class Observation:
         "prob": "outcomes",
         "nll": "outcomes",
         "gradient": "gradient",
+        "output_projection": "output_projection",
+        "rotary": "rotation",
     }
 
     def __init__(self, key_pos: torch.Tensor, query_pos: torch.Tensor, **fields: torch.Tensor):
@@ -96,8 +111,11 @@ class Observation:
 
     def __getattr__(self, name: str) -> Any:  # only called for fields that were not filled in
         if name in self._NEED_OF:
+            where = ""
+            if self._NEED_OF[name] in ("output_projection", "rotation"):
+                where = " (a model constant, read once per stream: StreamingEngine.constants)"
             raise AttributeError(
-                f"the observation has no {name!r}: add {self._NEED_OF[name]!r} to the policy's `needs`"
+                f"the observation has no {name!r}: add {self._NEED_OF[name]!r} to the policy's `needs`{where}"
             )
         raise AttributeError(name)
 
@@ -203,6 +221,14 @@ class ScorePolicy(Policy):
         (0: only what the chunk attended). A layer whose own window hides entries sooner is refused."""
         return 0
 
+    @property
+    def cached_keys(self) -> bool:
+        """Whether the observation's ``keys`` are the keys as the model's cache holds them, rotated at
+        their original positions (what kvpress's presses score after a prefill), instead of unrotated.
+        Only under ``positions=original``, where the memory stores exactly those keys
+        (:func:`rmm.recording.recording_plan` refuses ``positions=cache``). False by default."""
+        return False
+
     def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
         """Update ``state`` ([L, H, S] each) in place from the chunk's observation."""
 
@@ -228,6 +254,18 @@ class RecentRatioPolicy(ScorePolicy):
     @property
     def protected(self) -> int:
         return int(self.rho * self.capacity)
+
+
+# ``policy.variant`` of the policies named after a kvpress press (knorm, keydiff, lagkv, snapkv, tova,
+# observed_attention): the harness's definition (default), or the press's own score on the same state
+# (docs/semantics.md; tests/test_kvpress_parity.py checks it against kvpress itself)
+KVPRESS_VARIANTS = ("harness", "kvpress")
+
+
+def check_variant(variant: str) -> None:
+    """``policy.variant`` must be one of :data:`KVPRESS_VARIANTS`."""
+    if variant not in KVPRESS_VARIANTS:
+        raise ValueError(f"policy.variant must be one of {KVPRESS_VARIANTS}, got {variant!r}")
 
 
 def check_protected(name: str, value: int, capacity: int) -> None:
@@ -263,6 +301,13 @@ def significant(scores: torch.Tensor, digits: int = SCORE_DIGITS) -> torch.Tenso
 def weighted_attention(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sum_s attn[..., s, j] * weight[s]: attn [L, H, Q, S], weight [Q] -> [L, H, S]."""
     return (attn * weight[:, None]).sum(dim=-2)
+
+
+def group_size(attention: torch.Tensor) -> torch.Tensor:
+    """G [L, H]: how many query heads a group-summed attention [L, H, Q, S] sums over, read as the row sum
+    of the chunk's last query (each query head's probabilities sum to 1), rounded; at least 1. (A model
+    with learned attention sinks, whose rows sum to less, is not one kvpress supports.)"""
+    return attention[:, :, -1, :].sum(dim=-1).round().clamp(min=1.0)
 
 
 def seen_count(obs: Observation) -> torch.Tensor:

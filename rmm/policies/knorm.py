@@ -5,19 +5,29 @@ tend to draw high attention). RoPE is a rotation, so the norm is the same for ro
 keys; equal keys at different positions differ only by the rounding of the rotations, so norms are
 compared at ``SCORE_DIGITS`` significant digits and ties go to the more recent position. The policy
 never needs attention probabilities, so the engine keeps its fused attention path.
+
+``variant=kvpress`` is KnormPress's score: the same norm, not rounded (the press ranks the exact
+norms; an exact tie still goes to the more recent position here).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, ScorePolicy, significant
+from rmm.policies.base import Observation, ScorePolicy, check_variant, significant
 
 
 @dataclass
 class KNorm(ScorePolicy):
+    variant: str = "harness"
+
     name = "knorm"
     needs = frozenset({"keys"})
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_variant(self.variant)
+
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
-        return -significant(torch.linalg.vector_norm(obs.keys.double(), dim=-1))
+        norm = torch.linalg.vector_norm(obs.keys.double(), dim=-1)
+        return -norm if self.variant == "kvpress" else -significant(norm)
