@@ -139,10 +139,17 @@ def verdicts(frame: pd.DataFrame, n_resamples: int = N_RESAMPLES) -> pd.DataFram
     table = pd.DataFrame(rows)
     if "p" not in table:
         return table
-    for _, group in table[table["p"].notna()].groupby("model"):  # Holm over each model's family
-        table.loc[group.index, "p_holm"] = holm(group["p"].tolist())
-    for index in table.index[table["p"].notna()]:
-        table.loc[index, "verdict"] = verdict(table.loc[index, "predicted"], table.loc[index].to_dict())
+    # Holm over each model's whole registered family; a prediction still pending counts with p = 1, which
+    # bounds its final adjusted p from above: a rejection now stays one when the family is complete
+    for _, group in table.groupby("model"):
+        table.loc[group.index, "p_holm"] = holm(group["p"].fillna(1.0).tolist())
+        complete = bool(group["p"].notna().all())
+        for index in group.index[group["p"].notna()]:
+            row = table.loc[index]
+            outcome = verdict(row["predicted"], row.to_dict())
+            if not complete and (outcome == "unresolved" or row["predicted"] == "tie"):
+                outcome += " (provisional: family incomplete)"
+            table.loc[index, "verdict"] = outcome
     return table
 
 
@@ -153,8 +160,10 @@ def markdown(table: pd.DataFrame) -> str:
         "",
         "Ratio b / a of recall perplexity over the recall code tokens (below 1: b recalls better);",
         f"primary interval: 95 % t-interval over the {len(SEEDS)} generator seeds (one paired log-ratio per",
-        "seed); p: two-sided t-test, Holm-adjusted over all predictions of the model; bootstrap: the regime",
-        "map's nested bootstrap (seeds, streams, code blocks), secondary.",
+        "seed); p: two-sided t-test, Holm-adjusted over all predictions of the model (a prediction",
+        "still pending counts with p = 1, an upper bound: a rejection stays one, while an unresolved or",
+        "tie verdict is provisional until the model's family is complete); bootstrap: the regime map's",
+        "nested bootstrap (seeds, streams, code blocks), secondary.",
         "",
         "| prediction | model | cell | comparison | ratio [95 % t-interval] | Holm p | seeds better "
         "| bootstrap | verdict |",
