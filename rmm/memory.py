@@ -105,6 +105,8 @@ class SlotMemory:
         self._shared_masks: dict[
             LayerWindow, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
         ] = {}
+        # position rules: the first layer the rule applies to (the others it applies to hold the same set)
+        self._ruled = next((layer for layer, exempt in enumerate(plan.exempt) if not exempt), 0)
         self.calls = [0] * n_layers  # attention calls per layer since the memory was made
         self.passes = 0  # forward passes (chunks) begun
         # called by the attention function with (layer, query [H, G, Q, D], key [H, Q, D]) as the model
@@ -129,8 +131,7 @@ class SlotMemory:
         key_pos = self.key_pos[:, :, :end]
         if self.plan.rule is not None:
             # position rules give every layer and head they apply to the same set
-            ruled = next((layer for layer, exempt in enumerate(self.plan.exempt) if not exempt), 0)
-            shared = key_pos[ruled : ruled + 1, :1]
+            shared = key_pos[self._ruled : self._ruled + 1, :1]
             allowed = (shared[..., None, :] >= 0) & (shared[..., None, :] <= query_pos[:, None])
             self._allowed = allowed & self.plan.rule(query_pos, shared)
         else:
@@ -141,10 +142,7 @@ class SlotMemory:
             delta = query_pos.clamp(max=self.plan.sink_rank) - query_pos  # rank min(t, B) minus t
             if bool((delta != 0).any()):
                 self._sink_table = self.rotary.table(delta)
-                other = self._allowed.clone()
-                other[..., : self.n_sink_slots] = False
-                self._other_bias = torch.zeros(other.shape, dtype=self.keys.dtype, device=other.device)
-                self._other_bias.masked_fill_(~other, float("-inf"))
+                self._other_bias = self._other_slots_bias(self._allowed)
         if self.store_unrotated:
             counts = (self.key_pos[:, :, : self.retained] >= 0).sum(dim=-1)  # [L, H]
             n_kept = int(counts.max())
@@ -203,20 +201,24 @@ class SlotMemory:
             self._layer_masks[layer] = self._shared_masks[visible, exempt]
             return
         base = self._allowed[0 if shared else layer]  # [H or 1, Q, S]
-        key_pos = self.key_pos[layer if exempt else 0 if shared else layer, : base.shape[0], : base.shape[-1]]
+        row = layer if exempt or not shared else self._ruled  # the key positions ``base`` was built from
+        key_pos = self.key_pos[row, : base.shape[0], : base.shape[-1]]
         if exempt:  # no position rule: the layer's own window decides
             base = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= self.query_pos[:, None])
         allowed = base & visible(self.query_pos, key_pos.clamp_min(0))
         blocked = ~allowed if self._blocked is not None else None
-        bias = None
-        if self._other_bias is not None:
-            other = allowed.clone()
-            other[..., : self.n_sink_slots] = False
-            bias = torch.zeros(other.shape, dtype=self.keys.dtype, device=other.device)
-            bias.masked_fill_(~other, float("-inf"))
+        bias = self._other_slots_bias(allowed) if self._other_bias is not None else None
         self._layer_masks[layer] = (allowed, blocked, bias)
         if shared:
             self._shared_masks[visible, exempt] = self._layer_masks[layer]
+
+    def _other_slots_bias(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Additive mask in the model's dtype: 0 where ``allowed`` lets a query attend a non-sink slot,
+        -inf on the sink slots and wherever it blocks (see :meth:`other_slots_bias`)."""
+        other = allowed.clone()
+        other[..., : self.n_sink_slots] = False
+        bias = torch.zeros(other.shape, dtype=self.keys.dtype, device=other.device)
+        return bias.masked_fill_(~other, float("-inf"))
 
     def allowed_mask(self, layer: int) -> torch.Tensor:
         """bool [H or 1, Q, R + Q]: which slots each query of the chunk may attend."""

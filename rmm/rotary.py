@@ -119,8 +119,9 @@ class Rotary:
         :class:`UnsupportedModelError` when no candidate reproduces a layer.
         """
         found: dict[int, tuple[str, float]] = {}
+        every = self._all()  # one object per rotation, so that layers sharing one share its tables
         for layer, x0 in before.items():
-            options = [self.layers[layer]] + [r for r in self._all() if r is not self.layers[layer]]
+            options = [self.layers[layer]] + [r for r in every if r is not self.layers[layer]]
             errors = []
             for rotation in options:
                 if rotation.rot_dim > x0.shape[-1]:
