@@ -1,10 +1,13 @@
 """Throughput benchmark, everything measured side by side in one process on the same tokens.
 
-    python experiments/bench.py [--tokens 4096] [--budget 256] [--chunk 64] [--threads 2] [--repeats 1]
+    python experiments/bench.py [--tokens 8192] [--docs 8] [--batch 4] [--budget 256] [--chunk 64]
+    python experiments/bench.py --batches 1 2 4 8       # also tokens/s against the batch size
     python experiments/bench.py --chunks 64 256 512     # throughput against C, engine and plain forward
     python experiments/bench.py --profile               # top operators: streaming_llm (cache) vs window
     python experiments/bench.py --out results/bench     # also write results/bench/speed_B256_T4096.md
 
+The engine streams the first ``--tokens`` tokens of the Shakespeare sample as ``--docs`` documents of
+equal length, ``--batch`` side by side per forward pass (each with its own memory and decisions).
 Prints tokens/s of the engine under every policy (position rules, attention-based and attention-free
 score-based policies; expected_attention is attention-free: it records no attention probabilities and
 streams on the fused attention path, restkv records them), of a token-by-token physical-eviction loop
@@ -17,6 +20,7 @@ policy's fastest round counts, which damps the effect of other load on a shared 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -31,7 +35,7 @@ from omegaconf import OmegaConf
 from experiments.yardsticks import plain_forward, token_loop
 from rmm import recording
 from rmm.data import load_documents
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamingEngine, StreamRequest
 from rmm.files import atomic_write_text
 from rmm.models import load_model
 from rmm.policies import make_policy
@@ -76,6 +80,21 @@ def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
+
+
+# the runs whose tokens/s the batch curve (--batches) shows against the batch size
+CURVE = [
+    ("window", {}, "original"),
+    ("streaming_llm", {}, "cache"),
+    ("h2o", {}, "original"),
+    ("rmm", {"lag": 64}, "original"),
+]
+
+
+def stream_docs(engine: StreamingEngine, docs: list[torch.Tensor]) -> None:
+    """Stream ``docs`` through ``engine``, ``engine.batch`` per pass, each with its own copy of the policy."""
+    for _ in engine.stream_many([StreamRequest(doc, copy.copy(engine.policy)) for doc in docs]):
+        pass
 
 
 def load_tokens(tokenizer, n: int) -> torch.Tensor:
@@ -183,8 +202,15 @@ def profile(model, tokens: torch.Tensor, budget: int, chunk: int, top: int = 12)
         )
 
 
-def write_table(args: argparse.Namespace, n: int, rates: dict[str, float], load_before: tuple) -> Path:
-    """``<out>/speed_B<budget>_T<tokens>.md``: the machine, the command and every rate with its ratios."""
+def write_table(
+    args: argparse.Namespace,
+    n: int,
+    rates: dict[str, float],
+    attention: dict[str, tuple[bool, int]],
+    load_before: tuple,
+) -> Path:
+    """``<out>/speed_B<budget>_T<tokens>.md``: the machine, the command and every rate with its ratios; and
+    ``<out>/speed_points.json``: every engine run as a point for the time model (experiments/plan.py)."""
     import platform
 
     import transformers
@@ -192,7 +218,8 @@ def write_table(args: argparse.Namespace, n: int, rates: dict[str, float], load_
     path = args.out / f"speed_B{args.budget}_T{n}.md"
     forward, window_at_c = rates["forward"], rates[WINDOW_AT_C]
     lines = [
-        f"# Speed: SmolLM2-135M fp32 on CPU, {n} tokens, B={args.budget}, C={args.chunk}",
+        f"# Speed: SmolLM2-135M fp32 on CPU, {n} tokens in {args.docs} documents, B={args.budget}, "
+        f"C={args.chunk}, batch {args.batch}",
         "",
         f"Command: `python experiments/bench.py {' '.join(sys.argv[1:])}` (best of {args.repeats} "
         "interleaved rounds, each running every engine and the plain forward passes once).",
@@ -206,13 +233,50 @@ def write_table(args: argparse.Namespace, n: int, rates: dict[str, float], load_
         "|---|---:|---:|---:|",
     ]
     for key, rate in rates.items():
-        lines.append(f"| {key} | {rate:.1f} | {rate / forward:.2f} | {rate / window_at_c:.2f} |")
+        if "@b" not in key:
+            lines.append(f"| {key} | {rate:.1f} | {rate / forward:.2f} | {rate / window_at_c:.2f} |")
+    if args.batches:
+        batches = sorted(set(args.batches))
+        lines += [
+            "",
+            f"Batch curve: tokens/s (/ plain forward) against documents per forward pass, C={args.chunk}.",
+            "",
+            "| run | " + " | ".join(f"batch {b}" for b in batches) + " |",
+            "|---|" + "---:|" * len(batches),
+        ]
+        for name, params, positions in CURVE:
+            base = label(name, params, positions)
+            keys = [base if b == args.batch else f"{base}@b{b}" for b in batches]
+            if all(key in rates for key in keys):
+                cells = [f"{rates[key]:.1f} ({rates[key] / forward:.2f}x)" for key in keys]
+                lines.append(f"| {base} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "plain forward: forward passes over 2048-token windows (no memory bound); loop: the token-by-token",
         "loop with physical eviction (StreamingLLM's evaluation method); window@C: window streamed in",
         "C-token passes like the score-based policies.",
     ]
+    points = [
+        {
+            "model": "smollm2_135m",
+            "policy": key.split("/")[0].split("[")[0],
+            "run": key,
+            "positions": key.split("/")[1].split("@")[0],
+            "budget": args.budget,
+            "chunk": args.chunk,
+            "batch": int(key.split("@b")[1]) if "@b" in key else args.batch,
+            "n_docs": args.docs,
+            "tokens_per_doc": n // args.docs,
+            "threads": args.threads,
+            "tokens_per_s": rate,
+            "records_attention": attention[key][0],
+            "pass_tokens": args.chunk if key == WINDOW_AT_C else attention[key][1],
+            "wall_s": n / rate,
+        }
+        for key, rate in rates.items()
+        if key not in ("forward", "loop")
+    ]
+    atomic_write_text(args.out / "speed_points.json", json.dumps(points, indent=1) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, "\n".join(lines) + "\n")
     print(f"wrote {path}")
@@ -223,7 +287,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens in all documents together")
+    parser.add_argument("--docs", type=int, default=8, help="documents the tokens are split into")
+    parser.add_argument("--batch", type=int, default=4, help="documents per forward pass")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="*",
+        metavar="N",
+        help="also stream window, streaming_llm, h2o, rmm at batch N",
+    )
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -272,15 +345,24 @@ def main() -> None:
     if args.chunks:
         return chunk_sweep(model, tokens, args.chunks, max(args.budget, 2 * max(args.chunks)))
     n = tokens.numel()
-    print(f"SmolLM2-135M fp32 on CPU, {args.threads} threads, {n} tokens, B={args.budget}, C={args.chunk}")
+    docs = list(tokens.split(-(-n // args.docs)))
+    print(
+        f"SmolLM2-135M fp32 on CPU, {args.threads} threads, {n} tokens in {len(docs)} documents, "
+        f"B={args.budget}, C={args.chunk}, batch {args.batch}"
+    )
 
     engines = {}
     chosen = set(args.policies.split(",")) | {"window"} if args.policies else None
-    for name, params, positions in POLICIES:
+    runs = [(name, params, positions, args.batch) for name, params, positions in POLICIES]
+    runs += [(name, params, positions, b) for b in args.batches or [] for name, params, positions in CURVE]
+    for name, params, positions, batch in runs:
         if chosen is not None and name not in chosen:
             continue
+        key = label(name, params, positions) + ("" if batch == args.batch else f"@b{batch}")
+        if key in engines:
+            continue
         policy = make_policy({"name": name, **params}, budget=args.budget, chunk=args.chunk)
-        engines[label(name, params, positions)] = engine = StreamingEngine(model, policy, positions=positions)
+        engines[key] = engine = StreamingEngine(model, policy, positions=positions, batch=batch)
         engine.stream(tokens[: 2 * args.chunk + 1])  # warm-up
     # window again, streamed in passes of C tokens like the score-based policies (position rules normally
     # take max(C, 1024)-token passes): the ratio to it isolates a policy's own cost from the pass size
@@ -291,17 +373,17 @@ def main() -> None:
         for key, engine in engines.items():
             passes = args.chunk if key == WINDOW_AT_C else recording.POSITION_RULE_CHUNK
             with mock.patch.object(recording, "POSITION_RULE_CHUNK", passes):
-                seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
+                seconds, _ = timed(lambda engine=engine: stream_docs(engine, docs))
             best[key] = min(best.get(key, float("inf")), seconds)
             print(f"  round {round_ + 1}: {key:28s} {(n - 1) / seconds:8.1f} tokens/s", flush=True)
         if not args.only_engine:  # the ceiling, in the same rounds: plain forward passes, 2048-token windows
             seconds, _ = timed(lambda: plain_forward(model, tokens, 2048))
             forward_s = min(forward_s, seconds)
             print(f"  round {round_ + 1}: {'plain forward':28s} {n / seconds:8.1f} tokens/s", flush=True)
-    rates = {key: (n - 1) / seconds for key, seconds in best.items()}
+    rates = {key: n / seconds for key, seconds in best.items()}  # every token of every document streamed
     for key, rate in rates.items():
         name, positions = key.split("/")
-        print(f"engine {name:22s} positions={positions:8s} {rate:8.1f} tokens/s")
+        print(f"engine {name:22s} positions={positions:12s} {rate:8.1f} tokens/s")
     window, window_at_c = rates["window/original"], rates[WINDOW_AT_C]
     print(
         "\nscore-based policies / window (targets: attention-free >= 0.95x, attention-based >= 0.6x); "
@@ -337,7 +419,11 @@ def main() -> None:
             f"{rates[key] / rates['forward']:5.2f}x"
         )
     if args.out:
-        write_table(args, n, rates, load_before)
+        # per run: whether it records attention, and its tokens per forward pass per document
+        attention = {
+            key: (engine.plan.record_attention, engine.plan.chunk) for key, engine in engines.items()
+        }
+        write_table(args, n, rates, attention, load_before)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ model and documents from its config and calls :func:`stream_documents` like :fun
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Sequence
+import copy
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from rmm.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
 from rmm.data import Document
-from rmm.engine import ChunkHook, StreamingEngine, layer_entries
+from rmm.engine import ChunkHook, StreamHooks, StreamingEngine, StreamRequest, StreamResult, layer_entries
 from rmm.future import FutureRequests
 from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
 from rmm.memory import SlotMemory
@@ -76,6 +76,7 @@ def evaluate(
     scope: str = "head",
     allocation: str = "uniform",
     layers: str = "all",
+    batch: int = 4,
     max_tokens: int | None = None,
     oracle_tau: float = 0.02,
     oracle_context: int | None = None,
@@ -98,6 +99,8 @@ def evaluate(
     allocation : ``uniform`` | ``adaptive`` | ``pyramid``, the budget across heads and layers.
     layers : ``all`` (the policy decides in every layer) | ``global`` (only in global layers; windowed
         layers of a hybrid model keep what their own window shows).
+    batch : documents streamed side by side, one forward pass per chunk (a document's results do not
+        depend on it beyond fp32 rounding, docs/semantics.md).
     max_tokens : cut every document to its first ``max_tokens`` tokens.
     oracle_tau, oracle_context : the reference pass of the oracle policies (request threshold, window).
 
@@ -120,7 +123,7 @@ def evaluate(
     device = next(model.parameters()).device
     # the engine switches the model's attention for each stream only, and restores it after
     engine = StreamingEngine(
-        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers
+        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers, batch=batch
     )
     engine.self_check(max(docs, key=lambda doc: doc.tokens.numel()).tokens)  # before any scored token
     memory = PeakMemory(device)
@@ -135,6 +138,7 @@ def evaluate(
         "scope": scope,
         "allocation": allocation,
         "layers": layers,
+        "batch": batch,
         "max_tokens": max_tokens,
         "oracle": {"tau": oracle_tau, "context": oracle_context},
         "model": getattr(model.config, "name_or_path", None) or type(model).__name__,
@@ -163,23 +167,34 @@ def stream_documents(
     estimator: bool = False,
     on_chunk: ChunkHookFactory | None = None,
 ) -> RunTotals:
-    """Stream every document, each a fresh memory, and total the outcomes.
+    """Stream every document, each a fresh memory and its own copy of the policy, ``engine.batch`` side by
+    side per forward pass (:meth:`~rmm.engine.StreamingEngine.stream_many`), and total the outcomes in the
+    documents' order.
 
     ``reference`` is the look-ahead pass the policy's ``prepare`` (the oracles) and the ``estimator``
     diagnostic read; ``on_chunk(totals, doc)`` gives a per-chunk hook for each document.
     """
-    policy = engine.policy
     totals = RunTotals()
-    estimating = estimator and isinstance(policy, ScorePolicy)
-    for doc in docs:
-        policy.prepare(doc.tokens, reference or no_reference_pass)
-        hook = _estimator_hook(policy, reference(doc.tokens), totals.estimator_pairs) if estimating else None
-        chunk_hook = on_chunk(totals, doc) if on_chunk is not None else None
-        start = time.perf_counter()
-        result = engine.stream(doc.tokens, before_boundary=hook, on_chunk=chunk_hook)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        totals.add(doc.doc_id, doc.tokens, result, time.perf_counter() - start, doc.segments)
+    docs = list(docs)
+    estimating = estimator and isinstance(engine.policy, ScorePolicy)
+
+    def requests() -> Iterator[StreamRequest]:
+        for doc in docs:  # drawn as a place in the batch frees up
+            policy = copy.copy(engine.policy)  # prepare may keep per-document state (the oracles)
+            policy.prepare(doc.tokens, reference or no_reference_pass)
+            hook = (
+                _estimator_hook(policy, reference(doc.tokens), totals.estimator_pairs) if estimating else None
+            )
+            chunk_hook = on_chunk(totals, doc) if on_chunk is not None else None
+            yield StreamRequest(doc.tokens, policy, StreamHooks(before_boundary=hook, on_chunk=chunk_hook))
+
+    finished: dict[int, tuple[StreamResult, float]] = {}
+    for index, result, wall_s in engine.stream_many(requests()):
+        finished[index] = result, wall_s
+        while totals.n_docs in finished:  # in the documents' order, whatever order they finish in
+            doc = docs[totals.n_docs]
+            result, wall_s = finished.pop(totals.n_docs)
+            totals.add(doc.doc_id, doc.tokens, result, wall_s, doc.segments)
     if reference is not None:
         totals.reference_wall_s = reference.wall_s
     return totals

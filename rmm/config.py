@@ -77,6 +77,7 @@ def check_config(cfg: Mapping[str, Any]) -> None:
         raise ValueError(f"layers=global needs allocation=uniform, got allocation={allocation}")
     _positive_int(cfg["budget"], "budget", nullable=True)
     _positive_int(cfg["chunk"], "chunk")
+    _positive_int(cfg.get("batch", 1), "batch")
     if cfg["budget"] is not None and cfg["chunk"] > cfg["budget"]:
         raise ValueError(
             f"chunk ({cfg['chunk']}) must not exceed budget ({cfg['budget']}); set chunk<={cfg['budget']}"

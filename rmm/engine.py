@@ -8,14 +8,16 @@ the memory holds is the stream's :class:`~rmm.recording.RecordingPlan`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from rmm import integration, selfcheck
-from rmm.memory import SlotMemory
+from rmm.memory import SlotMemory, record_gradients
 from rmm.models import UnsupportedModelError, describe_model
 from rmm.policies import Observation, Policy, ScorePolicy
 from rmm.policies.select import SCOPES, adaptive_floor, capacities, check_allocation, rule_keep, select
@@ -55,6 +57,7 @@ class StreamingEngine:
 
     ``allocation`` (``uniform``, ``adaptive`` or ``pyramid``) splits the budget across KV heads and
     layers (:mod:`rmm.policies.select`, docs/semantics.md); the capacities are computed once here.
+    ``batch`` is how many streams :meth:`stream_many` runs side by side in one forward pass.
 
     While a stream runs, the model's attention is :func:`rmm.integration.bounded_attention` (its own
     implementation is restored afterwards); the model's own KV cache is not used.
@@ -68,11 +71,13 @@ class StreamingEngine:
         scope: str = "head",
         allocation: str = "uniform",
         layers: str = "all",
+        batch: int = 1,
     ):
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         check_allocation(allocation, scope, positions, policy)
         check_layers(layers, allocation)
+        check_batch(batch)
         if allocation != "uniform" and policy.budget is None:
             raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
         self.plan = recording_plan(policy, positions)
@@ -86,7 +91,7 @@ class StreamingEngine:
         if layers == "global" and policy.budget is not None:
             self.plan = self.plan.exempting(self.windows)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
-        self.allocation, self.layers = allocation, layers
+        self.allocation, self.layers, self.batch = allocation, layers, batch
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
         self.capacity: int | torch.Tensor | None = None
         self.floor: int | None = None
@@ -150,18 +155,20 @@ class StreamingEngine:
         starts = [0, *range(first, n_tokens, step)] if first < n_tokens else [0]
         return [(start, min(start + (first if start == 0 else step), n_tokens)) for start in starts]
 
-    def forward(self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """One pass of the chunk ``tokens`` [Q] at ``position_ids`` [Q] over ``memory``: logits [Q, V]
-        (float32). The model's attention must be the bounded attention (:func:`rmm.integration.install`)."""
-        with integration.active(memory):  # the attention function finds the memory there, not in kwargs
-            out = self.model(input_ids=tokens[None], position_ids=position_ids[None], use_cache=False)
-        return out.logits[0].float()
+    def forward(
+        self, memories: list[SlotMemory], tokens: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """One pass of N streams' chunks ``tokens`` [N, Q] at ``position_ids`` [N, Q], row i over
+        ``memories[i]``: logits [N, Q, V] (float32). The model's attention must be the bounded attention
+        (:func:`rmm.integration.install`)."""
+        with integration.active(memories):  # the attention function finds them there, not in kwargs
+            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
+        return out.logits.float()
 
     def new_memory(self, n_tokens: int, plan: RecordingPlan) -> SlotMemory:
         retained, chunk = plan.slots(n_tokens)
         return SlotMemory(plan, self.shape, retained, chunk, self.rotary, self.dtype, self.device)
 
-    @torch.no_grad()
     def stream(
         self,
         tokens: torch.Tensor,
@@ -170,82 +177,200 @@ class StreamingEngine:
         on_boundary: BoundaryHook | None = None,
         on_chunk: ChunkHook | None = None,
     ) -> StreamResult:
-        """Score every next-token prediction of ``tokens`` [n] (n >= 2)."""
-        n = tokens.numel()
-        if n < 2:
-            raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
-        self.self_check(tokens)
-        with integration.install(self.model):
-            return self._stream(tokens.to(self.device), observer, before_boundary, on_boundary, on_chunk)
+        """Score every next-token prediction of ``tokens`` [n] (n >= 2), alone in its passes."""
+        hooks = StreamHooks(observer, before_boundary, on_boundary, on_chunk)
+        ((_, result, _),) = self.stream_many([StreamRequest(tokens, self.policy, hooks)], batch=1)
+        return result
 
-    def _stream(
-        self,
-        tokens: torch.Tensor,
-        observer: AttentionObserver | None,
-        before_boundary: DecisionHook | None,
-        on_boundary: BoundaryHook | None,
-        on_chunk: ChunkHook | None,
-    ) -> StreamResult:
-        n = tokens.numel()
-        policy = self.policy
-        plan = self.plan if observer is None else self.plan.observed()
-        memory = self.new_memory(n, plan)
-        nll = torch.empty(n - 1, device=self.device)
-        correct = torch.empty(n - 1, dtype=torch.bool, device=self.device)
-        attended, age_sum, n_evicted = 0.0, 0.0, 0
-        for start, stop in self.chunks(n, plan):
-            query_pos = torch.arange(start, stop, device=self.device)
-            position_ids = memory.begin_chunk(query_pos)
-            n_scored = min(stop, n - 1) - start
-            targets = tokens[start + 1 : start + 1 + n_scored]
-            # autograd only for a policy that needs the gradient utility, and only for this pass
-            with torch.enable_grad() if memory.track_gradient else contextlib.nullcontext():
-                logits = self.forward(memory, tokens[start:stop], position_ids)  # [Q, V]
-                log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
-                token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
-                if memory.track_gradient:
-                    memory.record_gradient(token_nll.sum() if n_scored else None)
-            token_nll, log_probs = token_nll.detach(), log_probs.detach()
-            token_correct = log_probs.argmax(dim=-1) == targets
-            nll[start : start + n_scored] = token_nll
-            correct[start : start + n_scored] = token_correct
-            attended += memory.attended_total()
-            if on_chunk is not None:
-                on_chunk(stop, token_nll)
-            obs = None
-            if plan.rule is None:  # a score-based policy observes the chunk
-                outcomes = {}
-                if "outcomes" in policy.needs:
-                    outcomes = _outcomes(query_pos, token_nll, token_correct)
-                observed = memory.observed(policy.needs)
-                obs = Observation(memory.chunk_key_pos(), query_pos, **observed, **outcomes, **self.constants)
-                policy.observe(memory.state_view(), obs)
-            if observer is not None:
-                observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
-            if stop < n:
-                key_pos = memory.chunk_key_pos()
-                if obs is not None:
-                    # entries a layer's own window hides from now on are gone: no policy ranks them
-                    valid = memory.alive(stop)
-                    obs.key_pos = key_pos = torch.where(valid, key_pos, -1)
-                    scores = policy.score(memory.state_view(), obs, stop)
-                    if before_boundary is not None:
-                        before_boundary(memory, obs, stop, scores)
-                    keep = select(
-                        scores, key_pos, valid, self.capacity, self.scope, policy.scope_reduce, self.floor
-                    )
-                else:
-                    keep = rule_keep(plan.rule, stop, key_pos)
-                    if plan.exempt:  # layers the rule leaves alone keep what their window shows
-                        exempt = torch.tensor(plan.exempt, device=keep.device)[:, None, None]
-                        keep = torch.where(exempt, memory.alive(stop), keep)
-                evicted = memory.compact(keep)
-                evicted_pos = evicted[evicted >= 0]
-                age_sum += float((stop - evicted_pos).sum())
-                n_evicted += evicted_pos.numel()
-                if on_boundary is not None:
-                    on_boundary(memory, stop, evicted)
-        return StreamResult(nll.float().cpu(), correct.cpu(), attended, age_sum, n_evicted)
+    @torch.no_grad()
+    def stream_many(
+        self, requests: Iterable[StreamRequest], batch: int | None = None
+    ) -> Iterator[tuple[int, StreamResult, float]]:
+        """Stream ``requests`` side by side, up to ``batch`` (default: the engine's) in one forward pass.
+
+        Each stream has its own memory, policy, positions and decisions; streams share no entry, so a
+        stream's outcome does not depend on the others (to fp32 rounding of the batched matrix products).
+        Streams whose next chunks have equal lengths share a pass; a finished stream leaves and the next
+        request takes its place (requests are drawn lazily, outside the model's attention switch, so a
+        request may run the model, e.g. an oracle's reference pass, while it is made).
+
+        Yields (index of the request, its result, its share of the passes' wall time in seconds) as
+        each stream finishes.
+        """
+        batch = self.batch if batch is None else batch
+        check_batch(batch)
+        pending = iter(enumerate(requests))
+        active: list[_Stream] = []
+        while True:
+            for index, request in itertools.islice(pending, batch - len(active)):
+                n = request.tokens.numel()
+                if n < 2:
+                    raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
+                self.self_check(request.tokens)
+                active.append(_Stream(self, request, index))
+            if not active:
+                return
+            with integration.install(self.model):
+                while not any(stream.done for stream in active):
+                    groups: dict[int, list[_Stream]] = {}
+                    for stream in active:
+                        groups.setdefault(stream.next_length, []).append(stream)
+                    for group in groups.values():
+                        self._pass(group)
+            for stream in [stream for stream in active if stream.done]:
+                active.remove(stream)
+                yield stream.index, stream.result(), stream.wall_s
+
+    def _pass(self, streams: list[_Stream]) -> None:
+        """One forward pass of the streams' next chunks (all of one length), then each stream's decision."""
+        start = time.perf_counter()
+        chunks = [stream.begin() for stream in streams]
+        tokens = torch.stack([chunk for chunk, _ in chunks])
+        position_ids = torch.stack([position for _, position in chunks])
+        tracking = self.plan.track_gradient
+        # autograd only for a policy that needs the gradient utility, and only for this pass
+        with torch.enable_grad() if tracking else contextlib.nullcontext():
+            logits = self.forward([stream.memory for stream in streams], tokens, position_ids)  # [N, Q, V]
+            losses = [stream.score(logits[i]) for i, stream in enumerate(streams)]
+            if tracking:
+                record_gradients([stream.memory for stream in streams], losses)
+        for stream in streams:
+            self._decide(stream)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        share = (time.perf_counter() - start) / len(streams)
+        for stream in streams:
+            stream.wall_s += share
+
+    def _decide(self, stream: _Stream) -> None:
+        """After a stream's pass: record its outcomes, let a score-based policy observe the chunk, and at a
+        boundary choose what the memory keeps."""
+        memory, policy, plan, hooks = stream.memory, stream.policy, stream.plan, stream.hooks
+        start, stop = stream.schedule[stream.step]
+        token_nll, token_correct = stream.record(start)
+        stream.step += 1
+        n, query_pos = stream.tokens.numel(), memory.query_pos
+        stream.attended += memory.attended_total()
+        if hooks.on_chunk is not None:
+            hooks.on_chunk(stop, token_nll)
+        obs = None
+        if plan.rule is None:  # a score-based policy observes the chunk
+            outcomes = {}
+            if "outcomes" in policy.needs:
+                outcomes = _outcomes(query_pos, token_nll, token_correct)
+            observed = memory.observed(policy.needs)
+            obs = Observation(memory.chunk_key_pos(), query_pos, **observed, **outcomes, **self.constants)
+            policy.observe(memory.state_view(), obs)
+        if hooks.observer is not None:
+            hooks.observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
+        if stop == n:
+            return
+        key_pos = memory.chunk_key_pos()
+        if obs is not None:
+            # entries a layer's own window hides from now on are gone: no policy ranks them
+            valid = memory.alive(stop)
+            obs.key_pos = key_pos = torch.where(valid, key_pos, -1)
+            scores = policy.score(memory.state_view(), obs, stop)
+            if hooks.before_boundary is not None:
+                hooks.before_boundary(memory, obs, stop, scores)
+            keep = select(scores, key_pos, valid, self.capacity, self.scope, policy.scope_reduce, self.floor)
+        else:
+            keep = rule_keep(plan.rule, stop, key_pos)
+            if plan.exempt:  # layers the rule leaves alone keep what their window shows
+                exempt = torch.tensor(plan.exempt, device=keep.device)[:, None, None]
+                keep = torch.where(exempt, memory.alive(stop), keep)
+        evicted = memory.compact(keep)
+        evicted_pos = evicted[evicted >= 0]
+        stream.age_sum += float((stop - evicted_pos).sum())
+        stream.n_evicted += evicted_pos.numel()
+        if hooks.on_boundary is not None:
+            hooks.on_boundary(memory, stop, evicted)
+
+
+@dataclass
+class StreamHooks:
+    """A stream's optional callbacks (see the type aliases above)."""
+
+    observer: AttentionObserver | None = None
+    before_boundary: DecisionHook | None = None
+    on_boundary: BoundaryHook | None = None
+    on_chunk: ChunkHook | None = None
+
+
+@dataclass
+class StreamRequest:
+    """One stream for :meth:`StreamingEngine.stream_many`: ``tokens`` [n], the policy instance that decides
+    for it (its own instance when streams share passes and :meth:`~rmm.policies.Policy.prepare` keeps
+    per-stream state; the same class and parameters as the engine's policy) and its hooks."""
+
+    tokens: torch.Tensor
+    policy: Policy
+    hooks: StreamHooks = field(default_factory=StreamHooks)
+
+
+class _Stream:
+    """One stream's state while it runs: memory, chunk schedule, outcomes so far."""
+
+    def __init__(self, engine: StreamingEngine, request: StreamRequest, index: int):
+        self.index, self.policy, self.hooks = index, request.policy, request.hooks
+        self.tokens = request.tokens.to(engine.device)
+        n = self.tokens.numel()
+        self.plan = engine.plan if request.hooks.observer is None else engine.plan.observed()
+        self.memory = engine.new_memory(n, self.plan)
+        self.schedule = engine.chunks(n, self.plan)
+        self.step = 0
+        self.nll = torch.empty(n - 1, device=engine.device)
+        self.correct = torch.empty(n - 1, dtype=torch.bool, device=engine.device)
+        self.attended, self.age_sum, self.n_evicted, self.wall_s = 0.0, 0.0, 0, 0.0
+        self._scored: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.step == len(self.schedule)
+
+    @property
+    def next_length(self) -> int:
+        start, stop = self.schedule[self.step]
+        return stop - start
+
+    def begin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next chunk's tokens [Q] and the position ids [Q] to feed the model."""
+        start, stop = self.schedule[self.step]
+        return self.tokens[start:stop], self.memory.begin_chunk(
+            torch.arange(start, stop, device=self.tokens.device)
+        )
+
+    def score(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Score the chunk's predictions from its logits [Q, V]; returns their summed NLL (in the pass's
+        graph when it has one), None when no query of the chunk has a target."""
+        start, stop = self.schedule[self.step]
+        n_scored = min(stop, self.tokens.numel() - 1) - start
+        targets = self.tokens[start + 1 : start + 1 + n_scored]
+        log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
+        token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
+        self._scored = (token_nll, log_probs.detach().argmax(dim=-1) == targets)
+        return token_nll.sum() if n_scored else None
+
+    def record(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the NLL and correctness [Q'] of the scored chunk starting at ``start`` (Q' scored queries)
+        and return them."""
+        assert self._scored is not None
+        token_nll, token_correct = self._scored[0].detach(), self._scored[1]
+        self._scored = None
+        self.nll[start : start + token_nll.numel()] = token_nll
+        self.correct[start : start + token_nll.numel()] = token_correct
+        return token_nll, token_correct
+
+    def result(self) -> StreamResult:
+        return StreamResult(
+            self.nll.float().cpu(), self.correct.cpu(), self.attended, self.age_sum, self.n_evicted
+        )
+
+
+def check_batch(batch: int) -> None:
+    """``batch``: streams per forward pass, at least 1."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1 (streams per forward pass), got {batch!r}")
 
 
 def check_layers(layers: str, allocation: str) -> None:

@@ -64,8 +64,8 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 # layer types without attention that carry no state from token to token (a chunk boundary changes nothing)
 STATELESS_LAYER_TYPES = frozenset({"mlp", "moe", "dense", "ffn"})
 
-# the memory of the stream running now; the attention function reads it (kv_memory keyword or this)
-_ACTIVE: list[SlotMemory] = []
+# the memories of the streams in the running pass, one per batch row; the attention function reads them
+_ACTIVE: list[list[SlotMemory]] = []
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,12 @@ def bounded_attention(
 
     Parameters
     ----------
-    query : [1, n_heads, Q, head_dim], rotated by the model at the positions the engine passed.
-    key, value : [1, n_kv_heads, Q, head_dim] for the chunk's tokens.
+    query : [N, n_heads, Q, head_dim], rotated by the model at the positions the engine passed; row i is
+        the chunk of the i-th stream of the pass, which attends over its own memory only.
+    key, value : [N, n_kv_heads, Q, head_dim] for the chunks' tokens.
     attention_mask : the model's mask for this layer type (:class:`ModelMask`; None: plain causal).
-    kv_memory : a slot memory to use (default: the memory made :func:`active` for this pass).
+    kv_memory : a slot memory to use for a single row (default: the memories made :func:`active` for
+        this pass, one per row).
     sliding_window : the layer's window W: keys W or more positions back are hidden.
     softcap : attention logit soft-capping, logits -> softcap * tanh(logits / softcap).
     s_aux : learned attention sinks [n_heads], one extra logit per head in the softmax's denominator.
@@ -130,23 +132,44 @@ def bounded_attention(
 
     Returns
     -------
-    attn_output : [1, Q, n_heads, head_dim]
+    attn_output : [N, Q, n_heads, head_dim]
     """
-    kv_memory = kv_memory or (_ACTIVE[-1] if _ACTIVE else None)
-    if kv_memory is None:
+    memories = [kv_memory] if kv_memory is not None else (_ACTIVE[-1] if _ACTIVE else None)
+    if memories is None:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' is only usable through rmm.engine.StreamingEngine")
-    _check_call(module, query, key, value, kv_memory, attention_mask, kwargs)
-    layer = module.layer_idx
+    _check_call(module, query, key, value, memories, attention_mask, kwargs)
     mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
     if mask_function is causal_mask_function:
         mask_function = None
     plain = mask_function is None and sliding_window is None
-    kv_memory.enter_layer(layer, None if plain else Visibility(mask_function, sliding_window))
-    n_kv = key.shape[1]
-    q = query[0].view(n_kv, -1, query.shape[2], query.shape[3])  # [H, G, Q, D]
+    visible = None if plain else Visibility(mask_function, sliding_window)
+    rows = [
+        _attend(module.layer_idx, query[i], key[i], value[i], memory, visible, scaling, softcap, s_aux)
+        for i, memory in enumerate(memories)
+    ]
+    out = rows[0][None] if len(rows) == 1 else torch.stack(rows)  # [N, n_heads, Q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend(
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_memory: SlotMemory,
+    visible: Visibility | None,
+    scaling: float,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> torch.Tensor:
+    """One stream's attention: query [n_heads, Q, D], key and value [n_kv_heads, Q, D] over its memory
+    -> [n_heads, Q, D]."""
+    kv_memory.enter_layer(layer, visible)
+    n_kv = key.shape[0]
+    q = query.view(n_kv, -1, query.shape[1], query.shape[2])  # [H, G, Q, D]
     if kv_memory.capture is not None:
-        kv_memory.capture(layer, q, key[0])
-    keys, values = kv_memory.attend_keys_values(layer, key[0], value[0])  # [H, S, D] each
+        kv_memory.capture(layer, q, key)
+    keys, values = kv_memory.attend_keys_values(layer, key, value)  # [H, S, D] each
     allowed = kv_memory.allowed_mask(layer)  # [H or 1, Q, S] bool
     sink_query = kv_memory.sink_query(layer, q)  # [H, G, Q, D] or None (cache positions, sinks)
     if kv_memory.record_queries:
@@ -181,8 +204,7 @@ def bounded_attention(
         out = torch.matmul(probs.to(values.dtype), values[:, None])  # [H, G, Q, D]
         if kv_memory.track_gradient:
             out = kv_memory.track_output(layer, probs, values, out)
-    out = out.reshape(1, -1, out.shape[-2], out.shape[-1])  # [1, n_heads, Q, D]
-    return out.transpose(1, 2).contiguous(), None
+    return out.reshape(-1, out.shape[-2], out.shape[-1])  # [n_heads, Q, D]
 
 
 def _attention_with_sinks(
@@ -312,10 +334,11 @@ def install(model: PreTrainedModel) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def active(memory: SlotMemory) -> Iterator[None]:
-    """``with active(memory):`` the bounded attention reads ``memory`` during the block (the engine's
-    forward pass; no keyword has to travel through the model's layers, which some drop)."""
-    _ACTIVE.append(memory)
+def active(memories: list[SlotMemory]) -> Iterator[None]:
+    """``with active(memories):`` the bounded attention reads ``memories[i]`` for batch row i during the
+    block (the engine's forward pass; no keyword has to travel through the model's layers, which some
+    drop)."""
+    _ACTIVE.append(memories)
     try:
         yield
     finally:
@@ -408,7 +431,7 @@ def _check_call(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    memory: SlotMemory,
+    memories: list[SlotMemory],
     attention_mask: object,
     kwargs: dict,
 ) -> None:
@@ -426,10 +449,16 @@ def _check_call(
             "transformers' mask interface, so the bounded attention cannot tell what it hides"
         )
     layer = getattr(module, "layer_idx", None)
+    memory = memories[0]
     n_layers, n_kv, head_dim = memory.keys.shape[0], memory.keys.shape[1], memory.keys.shape[-1]
     if not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise UnsupportedModelError(f"{name} has no layer index in [0, {n_layers}) (layer_idx={layer!r})")
-    if query.shape[0] != 1 or key.shape[1] != n_kv or query.shape[1] % n_kv:
+    if query.shape[0] != len(memories) or key.shape[0] != len(memories):
+        raise UnsupportedModelError(
+            f"{name} hands attention a batch of {query.shape[0]} rows for {len(memories)} streams: the "
+            "model reshapes its batch, which the bounded attention cannot follow"
+        )
+    if key.shape[1] != n_kv or query.shape[1] % n_kv:
         raise UnsupportedModelError(
             f"{name} hands attention {key.shape[1]} KV heads and {query.shape[1]} query heads, where the "
             f"config gives {n_kv} KV heads; this model is not supported"

@@ -39,8 +39,10 @@ from rmm.policies import make_policy
 
 log = logging.getLogger(__name__)
 
-# lm-eval's own arguments to every model (simple_evaluate's additional config): accepted, not used
+# lm-eval's own arguments to every model (simple_evaluate's additional config): accepted, not used (an
+# integer ``batch_size`` sets the engine's batch)
 _LM_EVAL_KEYS = ("batch_size", "max_batch_size")
+DEFAULT_BATCH = 4  # streams per forward pass when lm-eval gives no integer batch_size
 GENERATION_REFUSED = (
     "the rmm model scores tokens under a bounded KV memory (loglikelihood, loglikelihood_rolling and "
     "multiple_choice tasks); it does not generate. Run generation tasks with `--model hf`."
@@ -63,6 +65,8 @@ class RmmLM(TemplateLM):
     device, dtype : ``auto`` (CUDA + bf16 when present, else CPU + fp32), ``cpu``, ``cuda:N``; ``float32``,
         ``bfloat16``. A CUDA device that this machine lacks falls back to the CPU (lm-eval's CLI passes
         ``cuda:0`` by default), as lm-eval's ``hf`` model does.
+    batch_size : lm-eval's ``--batch_size``: an integer N streams N requests side by side in one forward
+        pass (a request's scores do not depend on it beyond fp32 rounding); ``auto`` or none: 4.
     max_length : None (default): streams are never cut. An integer N: a ``loglikelihood`` request keeps
         its last N + 1 tokens, as HFLM truncates (rolling documents always stream whole).
     add_bos_token, prefix_token_id : as HFLM's (tokenization and the prefix of rolling documents and of
@@ -91,6 +95,8 @@ class RmmLM(TemplateLM):
         **policy_params: Any,
     ) -> None:
         super().__init__()
+        batch_size = str(policy_params.get("batch_size", ""))
+        batch = int(batch_size) if batch_size.isdigit() else DEFAULT_BATCH
         for key in _LM_EVAL_KEYS:
             policy_params.pop(key, None)
         budget = None if isinstance(budget, str) and budget.lower() in ("none", "null") else budget
@@ -100,7 +106,13 @@ class RmmLM(TemplateLM):
         self._device = next(self.model.parameters()).device
         self.policy = make_policy({"name": policy, **policy_params}, budget=budget, chunk=int(chunk))
         self.engine = StreamingEngine(
-            self.model, self.policy, positions=positions, scope=scope, allocation=allocation, layers=layers
+            self.model,
+            self.policy,
+            positions=positions,
+            scope=scope,
+            allocation=allocation,
+            layers=layers,
+            batch=batch,
         )
         self.oracle_tau, self.oracle_context = float(oracle_tau), oracle_context
         self._max_length = None if max_length is None else int(max_length)
@@ -114,6 +126,7 @@ class RmmLM(TemplateLM):
             "scope": scope,
             "allocation": allocation,
             "layers": layers,
+            "batch": batch,
             **policy_params,
         }
         self.streamed_tokens = 0
@@ -195,7 +208,8 @@ class RmmLM(TemplateLM):
         raise NotImplementedError(GENERATION_REFUSED)
 
     def _stream(self, sequences: list[list[int]], disable_tqdm: bool = False):
-        """Yield (nll [n - 1], correct [n - 1]) of each sequence, each one stream from an empty memory.
+        """Yield (nll [n - 1], correct [n - 1]) of each sequence, each one stream from an empty memory,
+        ``batch`` streams side by side per forward pass.
 
         The engine checks itself once, on the longest sequence, before the first scored token; the
         oracle policies get their reference pass (:func:`rmm.api.stream_documents` runs both)."""
@@ -210,9 +224,14 @@ class RmmLM(TemplateLM):
         if self.policy.needs_reference:
             context = reference_context(self.model_context, self.oracle_context, longest.numel())
             reference = ReferenceRunner(self.model, self.oracle_tau, context)
-        for i, ids in enumerate(tqdm(tokens, disable=disable_tqdm or len(tokens) < 2, desc="rmm streams")):
-            totals = stream_documents(self.engine, [Document(f"request-{i}", ids, {})], reference)
-            frame = totals.token_frames[0].iloc[1:]  # row p: x_p predicted by query p - 1 (p = 0: none)
+        progress = tqdm(total=len(tokens), disable=disable_tqdm or len(tokens) < 2, desc="rmm streams")
+        docs = [Document(f"request-{i}", ids, {}) for i, ids in enumerate(tokens)]
+        totals = stream_documents(
+            self.engine, docs, reference, on_chunk=lambda totals, doc: _counter(progress, doc)
+        )
+        progress.close()
+        for ids, frame in zip(tokens, totals.token_frames, strict=True):
+            frame = frame.iloc[1:]  # row p: x_p predicted by query p - 1 (p = 0: none)
             self.streamed_tokens += ids.numel()
             yield frame["nll"].to_numpy(dtype="float64"), frame["correct"].to_numpy(dtype=bool)
 
@@ -286,3 +305,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":  # python -m rmm.lm_eval: this module (as __main__) registered the model above
     main()
+
+
+def _counter(progress: tqdm, doc: Document):
+    """A per-chunk hook that advances ``progress`` by one when ``doc``'s last chunk has streamed."""
+    n = doc.tokens.numel()
+    return lambda streamed, nll: progress.update(1) if streamed == n else None

@@ -22,7 +22,7 @@ already stores keys unrotated).
 A policy that needs ``gradient`` turns on gradient tracking: the chunk's forward pass runs with autograd
 (only that pass), the chunk's own keys and values keep their graph inside the pass so that the loss of a
 later query of the chunk reaches an earlier query's hidden states, and one backward pass of the chunk's
-summed NLL gives each layer's dl/do at the attention output (:meth:`SlotMemory.record_gradient`). Slots
+summed NLL gives each layer's dl/do at the attention output (:func:`record_gradients`). Slots
 always hold detached tensors, so no graph outlives the chunk.
 """
 
@@ -258,7 +258,7 @@ class SlotMemory:
         self, layer: int, probs: torch.Tensor, values: torch.Tensor, output: torch.Tensor
     ) -> torch.Tensor:
         """Gradient tracking: remember a layer's attention probabilities [H, G, Q, S] (float32), the values
-        [H, S, D] and its output o [H, G, Q, D] = probs . values, so that :meth:`record_gradient` can
+        [H, S, D] and its output o [H, G, Q, D] = probs . values, so that :func:`record_gradients` can
         differentiate the chunk's loss with respect to o.
 
         Returns o, plus a zero leaf that requires grad when nothing before it does (the first layer of a
@@ -269,15 +269,17 @@ class SlotMemory:
         self._outputs.append((layer, probs.detach(), values.detach(), output))
         return output
 
-    def record_gradient(self, loss: torch.Tensor | None) -> None:
-        """One backward pass of the chunk's summed NLL ``loss`` (None when no query of the chunk has a
-        target): u_s(j) = a_s(j) * (<g_s, o_s> - <g_s, v_j>) with g_s = dl/do_s, summed over each KV
-        head's query heads, into :attr:`utility`. Releases the pass's graph."""
+    def take_outputs(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The outputs :meth:`track_output` remembered during the pass (cleared); zeroes :attr:`utility`."""
         outputs, self._outputs = self._outputs, []
         self.utility.zero_()
-        if loss is None:
-            return
-        grads = torch.autograd.grad(loss, [output for *_, output in outputs])
+        return outputs
+
+    def store_utility(
+        self, outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], grads: list[torch.Tensor]
+    ) -> None:
+        """u_s(j) = a_s(j) * (<g_s, o_s> - <g_s, v_j>) with g_s = dl/do_s, summed over each KV head's query
+        heads, into :attr:`utility`, from the pass's ``outputs`` and their gradients ``grads``."""
         for (layer, probs, values, output), grad in zip(outputs, grads, strict=True):
             grad, output = grad.float(), output.detach().float()
             reach = (grad * output).sum(dim=-1, keepdim=True)  # <g_s, o_s>: [H, G, Q, 1]
@@ -380,3 +382,22 @@ class SlotMemory:
             tensor[:, :, : self.retained] = torch.gather(tensor[:, :, :n], -1, index)
         self.key_pos[:, :, : self.retained] = new_pos
         return evicted
+
+
+def record_gradients(memories: list[SlotMemory], losses: list[torch.Tensor | None]) -> None:
+    """One backward pass of the summed NLL of a pass's streams: ``losses[i]`` is the summed NLL of stream
+    i's chunk (None when none of its queries has a target). Streams share no entry, so the gradient of the
+    sum at stream i's attention outputs is the gradient of its own loss. Fills each memory's
+    :attr:`~SlotMemory.utility` (zero for a stream without a loss) and releases the pass's graph."""
+    outputs = [memory.take_outputs() for memory in memories]
+    scored = [loss for loss in losses if loss is not None]
+    if not scored:
+        return
+    tracked = [
+        (memory, out) for memory, out, loss in zip(memories, outputs, losses, strict=True) if loss is not None
+    ]
+    flat = [output for _, out in tracked for *_, output in out]
+    grads = list(torch.autograd.grad(torch.stack(scored).sum(), flat))
+    for memory, out in tracked:
+        memory.store_utility(out, grads[: len(out)])
+        del grads[: len(out)]

@@ -114,6 +114,7 @@ def stream_documents(
         scope=cfg.scope,
         allocation=cfg.get("allocation", "uniform"),
         layers=cfg.get("layers", "all"),
+        batch=cfg.get("batch", 1),
     )
     # check the engine on this model before the first scored token, with a probe from the longest document
     engine.self_check(max(setup.docs, key=lambda doc: doc.tokens.numel()).tokens)
@@ -212,8 +213,9 @@ def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
 
 
 # model.architecture records the checkpoint's shape (for the planner and proxies); the weights decide results.
+# batch (documents per forward pass) changes a document's results only by fp32 rounding (docs/semantics.md).
 # model.pip and model.assemble say how a gguf_package model is installed and its GGUF written, not what runs.
-_NOT_RESULTS = {"resume", "progress", "wandb", "model.architecture", "model.pip", "model.assemble"}
+_NOT_RESULTS = {"resume", "progress", "wandb", "batch", "model.architecture", "model.pip", "model.assemble"}
 # Config keys added after results were written: dotted key -> the value that gives the old results.
 # Add an entry with every new result-affecting config key, so that complete runs stay resumable.
 ADDED_KEY_DEFAULTS: dict[str, object] = {

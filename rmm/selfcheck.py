@@ -59,8 +59,10 @@ class Checkable(Protocol):
 
     def new_memory(self, n_tokens: int, plan: RecordingPlan) -> SlotMemory: ...
 
+    batch: int
+
     def forward(
-        self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor
+        self, memories: list[SlotMemory], tokens: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor: ...
 
 
@@ -96,7 +98,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
         ) from err
     tolerance = TOLERANCE.get(engine.dtype, 1e-4)
     max_dnll = float(difference.max())
-    pass_means = [float(part.mean()) for part in difference.split(step) if part.numel()]
+    pass_means = [float(part.mean()) for part in difference.split(step, dim=-1) if part.numel()]
     per_token = engine.dtype in PER_TOKEN
     measured, what = (max_dnll, "per-token NLL") if per_token else (max(pass_means), "a pass's mean NLL")
     if not measured <= tolerance:
@@ -142,28 +144,38 @@ def _everything(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
 
 
 def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(|dNLL| [n - 1] against the model's own forward, tokens per pass); checks the attention calls."""
+    """(|dNLL| [rows, n - 1] against the model's own forward, tokens per pass); checks the attention
+    calls. With ``engine.batch`` > 1 the probe streams in one batch with its reverse, each row against its
+    own forward alone: a model whose batch rows interact is refused."""
     model, n = engine.model, probe.numel()
+    rows = torch.stack([probe, probe.flip(0)]) if engine.batch > 1 else probe[None]  # [N, n]
     with torch.no_grad():
-        own = torch.log_softmax(model(input_ids=probe[None], use_cache=False).logits[0].float(), dim=-1)
-    own_nll = -own[:-1].gather(-1, probe[1:, None])[:, 0]
+        own = [
+            torch.log_softmax(model(input_ids=row[None], use_cache=False).logits[0].float(), -1)
+            for row in rows
+        ]
+    own_nll = torch.stack(
+        [-logp[:-1].gather(-1, row[1:, None])[:, 0] for logp, row in zip(own, rows, strict=True)]
+    )
     step = max(1, -(-n // PROBE_PASSES))
     plan = _unlimited(engine.plan, step)
-    memory = engine.new_memory(n, plan)
-    nll = torch.empty(n - 1, device=engine.device)
+    memories = [engine.new_memory(n, plan) for _ in rows]
+    nll = torch.empty(len(rows), n - 1, device=engine.device)
     with torch.no_grad(), integration.install(model):
         for start in range(0, n, step):
             stop = min(start + step, n)
-            position_ids = memory.begin_chunk(torch.arange(start, stop, device=engine.device))
-            logits = engine.forward(memory, probe[start:stop], position_ids)
+            query_pos = torch.arange(start, stop, device=engine.device)
+            position_ids = torch.stack([memory.begin_chunk(query_pos) for memory in memories])
+            logits = engine.forward(memories, rows[:, start:stop], position_ids)
             scored = min(stop, n - 1) - start
-            log_probs = torch.log_softmax(logits[:scored], dim=-1)
-            nll[start : start + scored] = -log_probs.gather(-1, probe[start + 1 : start + 1 + scored, None])[
-                :, 0
-            ]
+            log_probs = torch.log_softmax(logits[:, :scored], dim=-1)
+            targets = rows[:, start + 1 : start + 1 + scored, None]
+            nll[:, start : start + scored] = -log_probs.gather(-1, targets)[..., 0]
             if stop < n:
-                memory.compact(memory.alive(stop) if plan.rule is None else memory.chunk_key_pos() >= 0)
-    _check_calls(engine, memory.calls, memory.passes)
+                for memory in memories:
+                    memory.compact(memory.alive(stop) if plan.rule is None else memory.chunk_key_pos() >= 0)
+    for memory in memories:
+        _check_calls(engine, memory.calls, memory.passes)
     return (nll - own_nll).abs(), step
 
 
@@ -198,7 +210,7 @@ def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[s
         )
         with torch.no_grad(), integration.install(engine.model):
             position_ids = memory.begin_chunk(torch.arange(n, device=engine.device))
-            engine.forward(memory, probe[:n], position_ids + shift)
+            engine.forward([memory], probe[None, :n], (position_ids + shift)[None])
         captured.append((keys, queries))
     (keys0, queries0), (keys1, queries1) = captured
     tolerance = ROTATION_TOLERANCE.get(engine.dtype, 1e-3)

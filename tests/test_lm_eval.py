@@ -148,6 +148,7 @@ def test_a_bounded_policy_changes_the_result(tiny_dir: Path, tiny_tasks: Path) -
         "scope": "head",
         "allocation": "uniform",
         "layers": "all",
+        "batch": 4,
         "lag": 2,
     }
 

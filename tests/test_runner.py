@@ -234,6 +234,24 @@ def test_resume_skips_a_complete_run(tiny_setup, tmp_path):
         run(config(tiny_setup, "policy=window", "dataset.max_tokens=32"), tmp_path)
 
 
+@pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "oracle"])
+def test_a_batched_run_equals_batch_1(tiny_setup, tmp_path, policy):
+    """``batch=N`` changes no document's per-token NLL beyond fp32 rounding (tests/test_batch.py's bound),
+    the documents keep their order in the token file, and a complete run resumes at any batch."""
+    from test_batch import BATCH_ATOL
+
+    alone, batched = tmp_path / "b1", tmp_path / "b2"
+    run(config(tiny_setup, f"policy={policy}", "batch=1"), alone)
+    metrics = run(config(tiny_setup, f"policy={policy}", "batch=2"), batched)
+    one, two = run_nll(alone), run_nll(batched)
+    assert list(one) == list(two) and metrics["n_docs"] == N_DOCS
+    for doc_id in one:
+        torch.testing.assert_close(two[doc_id], one[doc_id], rtol=0, atol=BATCH_ATOL)
+    stamp = (alone / "metrics.json").stat().st_mtime_ns
+    run(config(tiny_setup, f"policy={policy}", "batch=3"), alone)  # batch is no result key: resumed
+    assert (alone / "metrics.json").stat().st_mtime_ns == stamp
+
+
 def _drop_stored_key(run_dir: Path, dotted: str) -> None:
     import yaml
 

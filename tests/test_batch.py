@@ -1,0 +1,213 @@
+"""Batched streams: several documents side by side in one forward pass per chunk.
+
+A document's outcome must not depend on the batch: against the same document streamed alone, per-token
+NLL within fp32 rounding (:data:`BATCH_ATOL`), the same correctness, and the same retained set at every
+boundary; and against the independent token-by-token reference (rmm/reference.py) like every stream.
+The documents have mixed lengths, one is much shorter (3 tokens), and there are more documents than the
+batch holds, so finished documents are replaced mid-stream.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import record_max
+from test_policies import ARCHS, BUDGET, NLL_ATOL, fits
+
+from rmm import api
+from rmm.data import Document
+from rmm.engine import StreamHooks, StreamingEngine, StreamRequest, StreamResult
+from rmm.lookahead import ReferenceRunner, record_future
+from rmm.matrix import (
+    CASES,
+    case_id,
+    distinct_stream,
+    ranked_by_rounding,
+    ranks_keys,
+    runs_under,
+    sampled_stream,
+    set_recorder,
+    tiny_model,
+)
+from rmm.models import UnsupportedModelError
+from rmm.policies import make_policy
+from rmm.reference import POSITION_RULES, ReferenceSpec, reference_stream
+
+LENGTHS = (24, 17, 3, 30, 9)  # with BATCH 3: unequal lengths, a 3-token document, two replacements
+BATCH = 3
+BATCH_ATOL = 5e-6  # per-token |NLL batched - alone| in fp32; the measured maximum is printed by the suite
+
+
+def documents(model, name: str) -> list[torch.Tensor]:
+    """The batch's documents: sampled from the model, or without repeated tokens for a key-ranking policy
+    (conftest's rule for the matrix)."""
+    if ranks_keys(name):
+        return [distinct_stream(n, seed=i) for i, n in enumerate(LENGTHS)]
+    return [sampled_stream(model, n, seed=i) for i, n in enumerate(LENGTHS)]
+
+
+def stream(model, docs, name, params, chunk, positions="original", batch=BATCH, **options):
+    """Results and retained sets per boundary of ``docs`` streamed ``batch`` per pass, each with its own
+    policy copy prepared on its own future (the oracles)."""
+    policy = make_policy({"name": name, **params}, budget=BUDGET, chunk=chunk)
+    engine = StreamingEngine(model, policy, positions=positions, batch=batch, **options)
+    requests, logs = [], []
+    for doc in docs:
+        own = copy.copy(policy)
+        own.prepare(doc, lambda tokens: record_future(model, tokens, tau=0.02, context=1024))
+        hook, sets = set_recorder()
+        requests.append(StreamRequest(doc, own, StreamHooks(on_boundary=hook)))
+        logs.append(sets)
+    results: dict[int, StreamResult] = {index: result for index, result, _ in engine.stream_many(requests)}
+    return [results[i] for i in range(len(docs))], logs
+
+
+def assert_batch_independent(model, docs, name, params, chunk, positions="original", **options) -> None:
+    alone = stream(model, docs, name, params, chunk, positions, batch=1, **options)
+    batched = stream(model, docs, name, params, chunk, positions, **options)
+    where = f"{name} {params} chunk={chunk} positions={positions} {options}"
+    for i, (one, many) in enumerate(zip(*alone[:1], *batched[:1], strict=True)):
+        record_max("per-token |NLL batched - alone|, fp32", float((one.nll - many.nll).abs().max()))
+        torch.testing.assert_close(many.nll, one.nll, rtol=0, atol=BATCH_ATOL, msg=f"doc {i}: {where}")
+        assert torch.equal(many.correct, one.correct), f"doc {i}: {where}"
+        assert batched[1][i] == alone[1][i], f"doc {i}: retained sets differ: {where}"
+
+
+def cases():
+    """Every case on every architecture at chunk 5 (a partial last chunk) under both position modes; the
+    fast loop runs Llama, the rest is slow."""
+    for arch in ARCHS:
+        for (name, params), ident in zip(CASES, map(lambda c: case_id(*c), CASES), strict=True):
+            if ranked_by_rounding(arch, name, params) or not fits(name, params, 5):
+                continue
+            marks = () if arch == "llama" else pytest.mark.slow
+            yield pytest.param(arch, name, params, id=f"{arch}-{ident}", marks=marks)
+
+
+@pytest.fixture(scope="module")
+def models() -> dict:
+    return {}
+
+
+@pytest.mark.parametrize(("arch", "name", "params"), list(cases()))
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_a_document_streams_the_same_in_a_batch(models, arch, name, params, positions):
+    if not runs_under(name, params, positions):
+        pytest.skip(f"the case does not run under positions={positions}")
+    model = models.setdefault(arch, tiny_model(arch))
+    assert_batch_independent(model, documents(model, name), name, params, 5, positions)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"scope": "layer"},
+        {"scope": "global"},
+        {"allocation": "adaptive"},
+        {"allocation": "pyramid"},
+    ],
+)
+@pytest.mark.parametrize(("name", "params"), [("h2o", {}), ("rmm", {"lag": 3, "weight": "gradient"})])
+def test_scopes_and_allocations_in_a_batch(models, name, params, options):
+    model = models.setdefault("llama", tiny_model("llama"))
+    assert_batch_independent(model, documents(model, name), name, params, 4, "original", **options)
+
+
+@pytest.mark.parametrize(("name", "params"), [("h2o", {}), ("streaming_llm", {"sinks": 2})])
+def test_global_layers_of_a_hybrid_model_in_a_batch(models, name, params):
+    model = models.setdefault("gemma3", tiny_model("gemma3"))
+    assert_batch_independent(model, documents(model, name), name, params, 4, "original", layers="global")
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("h2o", {}),
+        ("rmm", {"lag": 3}),
+        ("streaming_llm", {"sinks": 2}),
+        ("oracle", {}),
+        ("snapkv", {"window": 2}),
+    ],
+)
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_batched_streams_match_the_reference(models, name, params, positions):
+    """The batched streams against the independent reference, document by document."""
+    model = models.setdefault("llama", tiny_model("llama"))
+    docs = documents(model, name)
+    chunk = 5 if fits(name, params, 5) else 4
+    results, logs = stream(model, docs, name, params, chunk, positions)
+    for i, (doc, result, sets) in enumerate(zip(docs, results, logs, strict=True)):
+        spec = ReferenceSpec(
+            policy=name,
+            budget=BUDGET,
+            chunk=1 if name in POSITION_RULES else chunk,
+            positions=positions,
+            **params,
+        )
+        nll, correct = reference_stream(model, doc, spec)
+        record_max("per-token |NLL engine - reference|, fp32", float((result.nll - nll).abs().max()))
+        torch.testing.assert_close(result.nll, nll, rtol=0, atol=NLL_ATOL, msg=f"doc {i} {name} {positions}")
+        assert torch.equal(result.correct, correct)
+        for now, retained in sets.items():
+            assert retained == spec.retained_log[now], f"doc {i}: R_{now} differs from the reference"
+
+
+def test_the_estimator_diagnostic_and_totals_do_not_depend_on_the_batch(models):
+    """rmm.api.stream_documents: the same tokens, totals and estimator pairs at batch 1 and 4."""
+    model = models.setdefault("llama", tiny_model("llama"))
+    docs = [Document(f"d{i}", tokens, {}) for i, tokens in enumerate(documents(model, "rmm"))]
+    totals = []
+    for batch in (1, 4):
+        engine = StreamingEngine(model, make_policy({"name": "rmm", "lag": 3}, BUDGET, 4), batch=batch)
+        totals.append(api.stream_documents(engine, docs, ReferenceRunner(model, 0.02, 1024), estimator=True))
+    alone, batched = totals
+    assert [frame.doc_id.iloc[0] for frame in batched.token_frames] == [doc.doc_id for doc in docs]
+    for one, many in zip(alone.token_frames, batched.token_frames, strict=True):
+        assert (one.nll - many.nll).abs().max() <= BATCH_ATOL
+    assert (alone.n_scored, alone.n_correct, alone.n_evicted) == (
+        batched.n_scored,
+        batched.n_correct,
+        batched.n_evicted,
+    )
+    pairs = [sorted(torch.cat([torch.stack(p, -1) for p in t.estimator_pairs]).tolist()) for t in totals]
+    assert len(pairs[0]) == len(pairs[1]) and torch.allclose(
+        torch.tensor(pairs[0]), torch.tensor(pairs[1]), atol=1e-5
+    )
+
+
+def test_evaluate_at_batch_1_and_4_agree(models):
+    model = models.setdefault("llama", tiny_model("llama"))
+    ids = documents(model, "h2o")
+    one = api.evaluate(model, token_ids=ids, policy="h2o", budget=BUDGET, chunk=4, batch=1)
+    four = api.evaluate(model, token_ids=ids, policy="h2o", budget=BUDGET, chunk=4, batch=4)
+    assert (one.tokens.nll - four.tokens.nll).abs().max() <= BATCH_ATOL
+    assert one.metrics["evicted_age_mean"] == four.metrics["evicted_age_mean"]
+    assert four.metrics["ppl"] == pytest.approx(one.metrics["ppl"], rel=1e-5)
+    assert four.config["batch"] == 4
+
+
+class _MixingRows(torch.nn.Module):
+    """Adds a share of the batch's mean to every row: a model whose documents would see each other."""
+
+    def forward(self, module, args, output):
+        return output + 0.5 * output.mean(dim=0, keepdim=True)
+
+
+def test_a_model_whose_batch_rows_interact_is_refused():
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.register_forward_hook(_MixingRows())
+    engine = StreamingEngine(model, make_policy({"name": "h2o"}, BUDGET, 4), batch=2)
+    with pytest.raises(UnsupportedModelError, match="self-check"):
+        engine.self_check(sampled_stream(tiny_model("llama"), 24))
+    StreamingEngine(model, make_policy({"name": "h2o"}, BUDGET, 4), batch=1).self_check(
+        sampled_stream(tiny_model("llama"), 24)
+    )
+
+
+def test_bad_batch_is_refused():
+    model = tiny_model("llama")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="batch must be an integer >= 1"):
+            StreamingEngine(model, make_policy({"name": "h2o"}, BUDGET, 4), batch=bad)
