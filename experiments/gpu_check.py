@@ -15,11 +15,17 @@ every section, so a run cut short keeps what it measured). Sections:
   32 layers, GQA 32/8, head_dim 128, llama3 rope scaling) streaming 32k tokens at B=2048: tokens/s of
   window, streaming_llm (cache positions), h2o and rmm; plain forward passes over 8k-token windows
   (SDPA); a token-by-token eviction loop over 1k tokens; peak device memory at 8k and 32k tokens.
+- ``points``: what recalibrates the time model (experiments/time_model.py) on the device, as speed points
+  (the format of results/bench/speed_points.json, for ``experiments/plan.py --calibrate``): the same
+  model, h2o and rmm at B=256, C=64 at batch 1 and 4 (four 2048-token documents), window at batch 4,
+  and plain forward passes over 2048-token windows.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import itertools
 import json
 import platform
@@ -37,7 +43,7 @@ import yaml
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from experiments.yardsticks import plain_forward, token_loop
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamingEngine, StreamRequest
 from rmm.files import atomic_write_text
 from rmm.integration import cache_keyword
 from rmm.lookahead import record_future
@@ -172,6 +178,7 @@ def summarize_matrix(frame: pd.DataFrame) -> dict[str, Any]:
 
 
 # ---- speed and memory ------------------------------------------------------------------------------
+@functools.cache  # one model for the speed and points sections
 def speed_model(device: torch.device, small: bool) -> PreTrainedModel:
     """Llama-3.1-8B's architecture, random-initialised in bf16 on ``device`` (``small``: 2 narrow layers)."""
     arch = yaml.safe_load(SPEED_ARCHITECTURE.read_text())["architecture"]
@@ -265,6 +272,58 @@ def speed(device: torch.device, small: bool, chunk: int) -> dict[str, Any]:
     return out
 
 
+# ---- speed points for the time model ---------------------------------------------------------------
+POINT_POLICIES = [  # (name, parameters, positions, batch): B=256, C=64; rmm's lag is the config default
+    ("h2o", {}, "original", 1),
+    ("h2o", {}, "original", 4),
+    ("rmm", {"lag": 32}, "original", 1),
+    ("rmm", {"lag": 32}, "original", 4),
+    ("window", {}, "original", 4),
+]
+
+
+def speed_points(device: torch.device, small: bool) -> dict[str, Any]:
+    """Speed points (results/bench/speed_points.json's format, plus ``device`` and ``dtype``) of the speed
+    section's model: each engine configuration streams four documents side by side ``batch`` at a time,
+    timed after a warm-up; plain forward passes over ``window``-token windows of one longer stream."""
+    n_docs, n, budget, chunk, window = (4, 256, 64, 16, 128) if small else (4, 2048, 256, 64, 2048)
+    model = speed_model(device, small)
+    generator = torch.Generator().manual_seed(1)
+    docs = torch.randint(model.config.vocab_size, (n_docs, n), generator=generator).to(device)
+    common = {
+        # small: 2 narrow layers, no shipped config: experiments/plan.py --calibrate skips these points
+        "model": "llama3_1_8b" + ("_small_test" if small else ""),
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+        "dtype": "bfloat16",
+    }
+    points = []
+    for name, params, positions, batch in POINT_POLICIES:
+        policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
+        engine = StreamingEngine(model, policy, positions=positions, batch=batch)
+        warm = [StreamRequest(docs[i, : 2 * chunk + 1], copy.copy(policy)) for i in range(batch)]
+        for _ in engine.stream_many(warm):
+            pass
+        requests = [StreamRequest(docs[i], copy.copy(policy)) for i in range(n_docs)]
+        seconds = timed(device, lambda engine=engine, requests=requests: list(engine.stream_many(requests)))
+        points.append(
+            common
+            | {"policy": name, "positions": positions, "budget": budget, "chunk": chunk, "batch": batch}
+            | {"n_docs": n_docs, "tokens_per_doc": n, "records_attention": engine.plan.record_attention}
+            | {"wall_s": seconds, "tokens_per_s": n_docs * n / seconds}
+        )
+    stream = docs.reshape(-1)
+    plain_forward(model, stream[:window], window)  # warm-up
+    seconds = timed(device, lambda: plain_forward(model, stream, window))
+    points.append(
+        common
+        | {"policy": "plain_forward", "positions": "original", "budget": None, "chunk": window, "batch": 1}
+        | {"n_docs": 1, "tokens_per_doc": stream.numel(), "records_attention": False}
+        | {"wall_s": seconds, "tokens_per_s": stream.numel() / seconds}
+    )
+    return {"speed_points": points}
+
+
 # ---- driver ----------------------------------------------------------------------------------------
 def environment(device: torch.device) -> dict[str, Any]:
     return {
@@ -287,7 +346,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     parser.add_argument("--small", action="store_true", help="tiny sizes: the whole check in seconds")
-    parser.add_argument("--sections", default="matrix,speed", help="comma-separated: matrix, speed")
+    parser.add_argument(
+        "--sections", default="matrix,speed,points", help="comma-separated: matrix, speed, points"
+    )
     parser.add_argument("--chunk", type=int, default=64, help="the engine's C in the speed section (64)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu" / "gpu_check.json")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own)")
@@ -298,8 +359,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available here: run with --device cpu (add --small for a quick check)")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if unknown := set(sections) - {"matrix", "speed"}:
-        raise SystemExit(f"unknown sections {sorted(unknown)}: use matrix and/or speed")
+    if unknown := set(sections) - {"matrix", "speed", "points"}:
+        raise SystemExit(f"unknown sections {sorted(unknown)}: use matrix, speed and/or points")
     started = time.perf_counter()
     summary: dict[str, Any] = {"environment": environment(device), "small": args.small, "sections": {}}
     for section in sections:
@@ -310,8 +371,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 cases = matrix_cases(["llama"] if args.small else list(ARCHITECTURES), not args.small)
                 frame = reference_matrix(device, [torch.float32, torch.bfloat16], cases, n_tokens)
                 result = summarize_matrix(frame)
-            else:
+            elif section == "speed":
                 result = speed(device, args.small, args.chunk)
+            else:
+                result = speed_points(device, args.small)
         except Exception as err:  # keep the other sections' results: the GPU window is short
             result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
         result["wall_s"] = time.perf_counter() - start

@@ -4,10 +4,11 @@
 
 A *cell* is one setting of the factors (decoys, echo_gap, recall_gap, budget) and, for rmm, the lag. Its
 *arms* are h2o, rmm(correct), rmm(uniform), rmm(correct, freeze), the smoother (oracle future_utility,
-weight correct) and future_mass. Every comparison is paired on the recall code tokens of the same streams
-and pooled over the generator seeds: the interval resamples seeds, then streams within each drawn seed,
-then blocks of one code within each drawn stream (rmm/bootstrap.py, 95 % percentile). A comparison is
-reported only where both arms ran for every seed of the cell.
+weight correct) and future_mass, and where they ran (the echo family at lag 48's cells) the 2026
+baselines restkv and expected_attention at their defaults. Every comparison is paired on the recall
+code tokens of the same streams and pooled over the generator seeds: the interval resamples seeds, then
+streams within each drawn seed, then blocks of one code within each drawn stream (rmm/bootstrap.py, 95 %
+percentile). A comparison is reported only where both arms ran for every seed of the cell.
 
 Writes into ``--out``: ``runs.csv`` (one row per run), ``comparisons.csv`` and ``cells.md`` (per cell:
 rmm(correct)/h2o, rmm(correct)/rmm(uniform), freeze/accumulate as recall-perplexity ratios with intervals
@@ -45,8 +46,13 @@ COMPARISONS = [
     ("rmm_correct", "rmm_uniform", "rmm(correct) / rmm(uniform)"),
     ("rmm_freeze", "rmm_correct", "freeze / accumulate"),
     ("smoother", "h2o", "smoother / h2o"),
+    ("restkv", "h2o", "restkv / h2o"),
+    ("expected_attention", "h2o", "expected_attention / h2o"),
+    ("rmm_correct", "restkv", "rmm(correct) / restkv"),
+    ("rmm_correct", "expected_attention", "rmm(correct) / expected_attention"),
 ]
-SHARE_ARMS = ["rmm_correct", "rmm_uniform", "rmm_freeze", "future_mass"]
+SHARE_ARMS = ["rmm_correct", "rmm_uniform", "rmm_freeze", "future_mass", "restkv", "expected_attention"]
+BASELINES_2026 = ("restkv", "expected_attention")  # at their config defaults
 LAGGED = {"rmm_correct", "rmm_uniform", "rmm_freeze"}
 PHASE_PANELS = [name for _, _, name in COMPARISONS[:3]]
 
@@ -55,6 +61,8 @@ def arm(row: pd.Series) -> str | None:
     """The arm a run belongs to, or None for a run outside the design."""
     if row["policy"] == "h2o":
         return "h2o"
+    if row["policy"] in BASELINES_2026:
+        return row["policy"]
     if row["policy"] == "oracle":
         variant = row.get("policy.variant")
         if variant == "future_utility" and row.get("policy.weight") == "correct":

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=results/cpu/regimes
-read -r -a SWEEPS <<<"${REGIME_SWEEPS:-echo_h2o echo_rmm echo_smoother echo_freeze decoys_h2o decoys_rmm decoys_smoother decoys_freeze gap_h2o gap_rmm gap_smoother gap_freeze}"
+read -r -a SWEEPS <<<"${REGIME_SWEEPS:-echo_h2o echo_rmm echo_smoother echo_freeze decoys_h2o decoys_rmm decoys_smoother decoys_freeze gap_h2o gap_rmm gap_smoother gap_freeze echo_baselines2026}"
 
 if [ -z "${REPORT_ONLY:-}" ]; then
     for sweep in "${SWEEPS[@]}"; do

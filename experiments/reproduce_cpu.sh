@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-results/cpu}  # another folder for other settings, e.g. OUT=results/cpu8 ... dataset.n_docs=8
 # Order: the cheap references first, the budget-512 rmm lag grid last (the first thing to drop if too slow).
-read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512 rmm_gradient}"
+read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512 rmm_gradient smoother}"
 
 for sweep in "${SWEEPS[@]}"; do
     start=$(date +%s)

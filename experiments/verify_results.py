@@ -2,6 +2,8 @@
 
     python experiments/verify_results.py [--seed 0] [--budget-s 600] [--n N] [--bound 1e-4]
         [--out results/cpu/verify_results.md] [ROOT ...]          # make verify-results
+    python experiments/verify_results.py --batch 4 --per-root 1 --min-docs 2 --budget-s 0 \
+        --out results/cpu/verify_batched.md                     # one multi-document run per study, batched
 
 The pool is every complete run directory under the ROOTs (default: the committed studies of
 ``results/cpu``, not the confirmation in progress) whose model loads offline (a ``gguf_package`` model whose
@@ -24,6 +26,11 @@ rounding and two orders of magnitude below the smallest differences the studies 
 0.01 and more). A run fails when it differs by more, when its tokens differ, or when it does not run; the
 script then exits 1. A differing ``correct`` is reported (a rounding change can flip a near tie of the
 argmax) but fails a run only through its NLL.
+
+``--batch N`` re-runs every sampled run with N documents per forward pass (the runs were made one
+document per pass; ``batch`` is no result key, docs/semantics.md); ``--per-root K`` samples K runs from
+each root instead of one pool; ``--min-docs D`` takes only runs of at least D documents (so that a batch
+holds several).
 
 Writes ``--out`` (atomically): one row per run (run directory, policy, tokens, max |dNLL|, correct equal,
 seconds) with the command, seed, threads, machine and load.
@@ -90,6 +97,7 @@ class Candidate:
     policy: str
     n_tokens: int
     cost_s: float  # estimated from the committed metrics
+    n_docs: int = 1
 
 
 @dataclass
@@ -134,7 +142,10 @@ def pool(roots: Sequence[Path], overhead_s: float, max_run_s: float | None) -> t
             if max_run_s is not None and cost > max_run_s:
                 left_out["too long"] += 1
                 continue
-            candidates.append(Candidate(run_dir, str(metrics["policy"]), int(metrics["n_tokens"]), cost))
+            n_docs = int(metrics.get("n_docs") or 1)
+            candidates.append(
+                Candidate(run_dir, str(metrics["policy"]), int(metrics["n_tokens"]), cost, n_docs)
+            )
     return candidates, left_out
 
 
@@ -195,11 +206,15 @@ def compare(stored: pd.DataFrame, fresh: pd.DataFrame) -> tuple[float, int]:
     return max_diff, int(((ca != cb) | na_differ).sum())
 
 
-def verify(candidate: Candidate) -> Outcome:
-    """Re-run one committed run at the current code into a temporary directory and compare its tokens."""
+def verify(candidate: Candidate, batch: int | None = None) -> Outcome:
+    """Re-run one committed run at the current code (``batch`` documents per pass: None, as it was made)
+    into a temporary directory and compare its tokens."""
     start = time.perf_counter()
     try:
-        cfg = OmegaConf.create(recompose(read_config(candidate.run_dir)))
+        config = recompose(read_config(candidate.run_dir))
+        if batch is not None:
+            config["batch"] = batch
+        cfg = OmegaConf.create(config)
         check_run(cfg)
         with tempfile.TemporaryDirectory(prefix="verify_") as tmp:
             run(cfg, tmp)
@@ -248,7 +263,8 @@ def report(
         "",
         f"Command: `{command}`  ",
         f"Seed {args.seed}, budget {args.budget_s:g} s of estimated cost, max {args.max_run_s:g} s a run, "
-        f"n {args.n if args.n is not None else 'unlimited'}; bound {args.bound:g} per token.  ",
+        f"n {args.n if args.n is not None else 'unlimited'}; bound {args.bound:g} per token; "
+        f"batch {args.batch or 'as each run was made'}.  ",
         f"Code: {git_revision()}; torch threads {threads}; {os.cpu_count()} CPU cores, "
         f"{platform.machine()} {platform.system()} {platform.release()}, "
         f"Python {platform.python_version()}.  ",
@@ -303,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overhead-s", type=float, default=OVERHEAD_S)
     parser.add_argument("--bound", type=float, default=BOUND)
     parser.add_argument("--out", type=Path, default=Path(OUT))
+    parser.add_argument("--batch", type=int, default=None, help="documents per forward pass of the re-runs")
+    parser.add_argument("--per-root", type=int, default=None, help="sample this many runs from each root")
+    parser.add_argument("--min-docs", type=int, default=1, help="only runs of at least this many documents")
     args = parser.parse_args(argv)
     if args.max_run_s is None:
         args.max_run_s = args.budget_s / 4 if args.budget_s else math.inf
@@ -315,12 +334,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     candidates, left_out = pool(
         roots, args.overhead_s, args.max_run_s if math.isfinite(args.max_run_s) else None
     )
-    chosen = sample(candidates, args.seed, args.budget_s, args.n)
+    candidates = [c for c in candidates if c.n_docs >= args.min_docs]
+    if args.per_root is None:
+        chosen = sample(candidates, args.seed, args.budget_s, args.n)
+    else:  # each root sampled apart
+        chosen = [
+            c
+            for root in roots
+            for c in sample(
+                [c for c in candidates if Path(root) in c.run_dir.parents],
+                args.seed,
+                args.budget_s,
+                args.per_root,
+            )
+        ]
     estimated = sum(c.cost_s for c in chosen)
     print(f"{len(chosen)} of {len(candidates)} runs, estimated {estimated:.0f} s", flush=True)
     start, outcomes = time.perf_counter(), []
     for i, candidate in enumerate(chosen, 1):
-        outcome = verify(candidate)
+        outcome = verify(candidate, args.batch)
         outcomes.append(outcome)
         print(
             f"[{i}/{len(chosen)}] {_relative(candidate.run_dir)}: max |dNLL| {outcome.max_diff:.3g}, "

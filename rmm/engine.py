@@ -217,9 +217,13 @@ class StreamingEngine:
                         groups.setdefault(stream.next_length, []).append(stream)
                     for group in groups.values():
                         self._pass(group)
-            for stream in [stream for stream in active if stream.done]:
-                active.remove(stream)
-                yield stream.index, stream.result(), stream.wall_s
+            finished = [stream for stream in active if stream.done]
+            active = [stream for stream in active if not stream.done]
+            while finished:  # a finished stream's memory is released before the next ones are drawn
+                done = finished.pop(0)
+                outcome = done.index, done.result(), done.wall_s
+                del done
+                yield outcome
 
     def _pass(self, streams: list[_Stream]) -> None:
         """One forward pass of the streams' next chunks (all of one length), then each stream's decision."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from rmm.api import stream_documents
 from rmm.data import Document
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, reference_context
-from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
+from rmm.models import describe_model, load_model, model_config, resolve_device, resolve_dtype
 from rmm.policies import make_policy
 
 log = logging.getLogger(__name__)
@@ -262,10 +261,6 @@ def _device(name: str | None) -> torch.device:
 def _load(pretrained: Any, tokenizer: Any, revision: str | None, device: torch.device, dtype: str | None):
     """(model, tokenizer, the model's context) from a harness model name, a directory, a hub id or a
     loaded model."""
-    from omegaconf import OmegaConf
-
-    from rmm.config import config_dir
-
     torch_dtype = resolve_dtype(dtype or "auto", device)
     max_context = None
     if not isinstance(pretrained, str):
@@ -276,14 +271,8 @@ def _load(pretrained: Any, tokenizer: Any, revision: str | None, device: torch.d
             tokenizer = AutoTokenizer.from_pretrained(source)
         model = pretrained
     else:
-        shipped = config_dir() / "model" / f"{pretrained}.yaml"
-        if shipped.is_file():
-            cfg = OmegaConf.load(shipped)
-            max_context = cfg.get("max_context")
-        elif Path(pretrained).expanduser().is_dir():
-            cfg = {"path": pretrained}
-        else:
-            cfg = {"source": "hub", "hub_id": pretrained, "revision": revision}
+        cfg = model_config(pretrained, revision)
+        max_context = cfg.get("max_context")
         model, own = load_model(cfg, device, torch_dtype)
         if tokenizer is None:
             tokenizer = own

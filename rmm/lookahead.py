@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamHooks, StreamingEngine, StreamRequest
 from rmm.future import FutureRequests
 from rmm.policies.window import Window
 
@@ -62,35 +62,68 @@ def record_future(
     is no longer than ``context``), original positions, and records every (query, key) pair whose
     attention is at least ``tau``, and each query's ``correct`` and ``prob`` weights [n] in that pass.
     """
-    recorder = RequestRecorder(tau)
+    return record_futures(model, [tokens], tau, context, chunk)[0]
+
+
+def record_futures(
+    model: PreTrainedModel,
+    streams: list[torch.Tensor],
+    tau: float,
+    context: int,
+    chunk: int = 256,
+    batch: int = 1,
+) -> list[FutureRequests]:
+    """:func:`record_future` of every stream, ``batch`` streams side by side per forward pass."""
     window = Window(budget=context, chunk=min(chunk, context))
-    result = StreamingEngine(model, window).stream(tokens, observer=recorder)
+    recorders = [RequestRecorder(tau) for _ in streams]
+    requests = [
+        StreamRequest(tokens, window, StreamHooks(observer=recorder))
+        for tokens, recorder in zip(streams, recorders, strict=True)
+    ]
+    futures: list[FutureRequests | None] = [None] * len(streams)
     no_target = torch.zeros(1)  # the last query predicts nothing
-    weights = {
-        "correct": torch.cat([result.correct.float(), no_target]),
-        "prob": torch.cat([torch.exp(-result.nll.double()).float(), no_target]),
-    }
-    return recorder.finish(tokens.numel(), weights)
+    for index, result, _ in StreamingEngine(model, window, batch=batch).stream_many(requests):
+        weights = {
+            "correct": torch.cat([result.correct.float(), no_target]),
+            "prob": torch.cat([torch.exp(-result.nll.double()).float(), no_target]),
+        }
+        futures[index] = recorders[index].finish(streams[index].numel(), weights)
+    return futures  # type: ignore[return-value]
 
 
 class ReferenceRunner:
     """``reference(tokens)``: the reference pass of one stream, run at most once per stream and timed.
 
     Shared by a policy's ``prepare`` (the oracle) and the estimator diagnostic; ``wall_s`` sums the time
-    spent in reference passes.
+    spent in reference passes. :meth:`prefetch` runs the passes of several streams side by side ahead
+    of their calls (the batch a run streams next).
     """
 
     def __init__(self, model: PreTrainedModel, tau: float, context: int):
         self.model, self.tau, self.context = model, tau, context
         self.wall_s = 0.0
         self._last: tuple[torch.Tensor, FutureRequests] | None = None
+        self._ahead: dict[int, tuple[torch.Tensor, FutureRequests]] = {}
+
+    def prefetch(self, streams: list[torch.Tensor], batch: int) -> None:
+        """Run the reference passes of ``streams``, ``batch`` per forward pass; each is kept until called."""
+        start = time.perf_counter()
+        futures = record_futures(self.model, streams, self.tau, self.context, batch=batch)
+        self.wall_s += time.perf_counter() - start
+        self._ahead.update(
+            {id(tokens): (tokens, future) for tokens, future in zip(streams, futures, strict=True)}
+        )
 
     def __call__(self, tokens: torch.Tensor) -> FutureRequests:
         if self._last is not None and self._last[0] is tokens:
             return self._last[1]
-        start = time.perf_counter()
-        future = record_future(self.model, tokens, self.tau, self.context)
-        self.wall_s += time.perf_counter() - start
+        ahead = self._ahead.pop(id(tokens), None)
+        if ahead is not None and ahead[0] is tokens:
+            future = ahead[1]
+        else:
+            start = time.perf_counter()
+            future = record_future(self.model, tokens, self.tau, self.context)
+            self.wall_s += time.perf_counter() - start
         self._last = (tokens, future)
         return future
 

@@ -115,6 +115,22 @@ def load_model(
     raise ValueError(f"unknown model source {source!r}: expected gguf_package, hub or local")
 
 
+def model_config(name: str, revision: str | None = None) -> Mapping[str, Any]:
+    """The ``model`` config node of ``name``: a shipped model config (``conf/model/<name>.yaml``, e.g.
+    ``smollm2_135m`` or ``gemma3_270m``, which load offline), a local ``save_pretrained`` directory, or
+    else a Hugging Face hub id (at ``revision``)."""
+    from omegaconf import OmegaConf
+
+    from rmm.config import config_dir
+
+    shipped = config_dir() / "model" / f"{name}.yaml"
+    if shipped.is_file():
+        return OmegaConf.to_container(OmegaConf.load(shipped))
+    if Path(name).expanduser().is_dir():
+        return {"path": name}
+    return {"source": "hub", "hub_id": name, "revision": revision}
+
+
 def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     """Shape facts the engine needs for KV-bytes accounting, read from the model's (text) config.
 

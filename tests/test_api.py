@@ -49,6 +49,13 @@ def test_readme_example_runs(saved: Path, tmp_path: Path, monkeypatch: pytest.Mo
     assert run_is_complete(tmp_path / "runs" / "my_rmm")
 
 
+@pytest.mark.slow  # converts the shipped GGUF on a fresh machine (seconds once cached)
+def test_load_model_loads_the_shipped_model_offline() -> None:
+    model, tokenizer = rmm.load_model("smollm2_135m", device="cpu")
+    assert model.config.model_type == "llama" and model.dtype == torch.float32
+    assert tokenizer("Shall I").input_ids
+
+
 def test_evaluate_matches_the_engine_and_saves_a_run(tmp_path: Path) -> None:
     tokenizer = tiny_tokenizer()
     model = tiny_model("llama", vocab_size=len(tokenizer))

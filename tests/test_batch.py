@@ -19,7 +19,7 @@ from test_policies import ARCHS, BUDGET, NLL_ATOL, fits
 from rmm import api
 from rmm.data import Document
 from rmm.engine import StreamHooks, StreamingEngine, StreamRequest, StreamResult
-from rmm.lookahead import ReferenceRunner, record_future
+from rmm.lookahead import ReferenceRunner, record_future, record_futures
 from rmm.matrix import (
     CASES,
     case_id,
@@ -175,6 +175,19 @@ def test_the_estimator_diagnostic_and_totals_do_not_depend_on_the_batch(models):
     assert len(pairs[0]) == len(pairs[1]) and torch.allclose(
         torch.tensor(pairs[0]), torch.tensor(pairs[1]), atol=1e-5
     )
+
+
+def test_the_look_ahead_pass_in_a_batch_equals_alone(models):
+    """The oracles' reference pass, batched (rmm.lookahead.record_futures): the same requests and weights."""
+    model = models.setdefault("llama", tiny_model("llama"))
+    docs = documents(model, "oracle")
+    batched = record_futures(model, docs, 0.02, 1024, batch=BATCH)
+    for doc, many in zip(docs, batched, strict=True):
+        one = record_future(model, doc, 0.02, 1024)
+        assert torch.equal(one.codes, many.codes)
+        torch.testing.assert_close(many.mass, one.mass, rtol=0, atol=1e-6)
+        for name in ("correct", "prob"):
+            torch.testing.assert_close(many.query_weights[name], one.query_weights[name], rtol=0, atol=1e-6)
 
 
 def test_evaluate_at_batch_1_and_4_agree(models):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_proxies import BF16_TOKEN_NLL_ATOL, DECIDING_SAME_SETS, EXACT_SETS, KEY_RANKING_MEAN_NLL_ATOL
 
-from experiments import gpu_check
+from experiments import gpu_check, plan
 from rmm.policies import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +39,17 @@ def test_small_check_runs_end_to_end(tmp_path: Path):
         assert speed["tokens_per_s"][key] > 0
         assert key in speed["peak_memory_bytes"][str(speed["tokens"])]
     assert {"plain_forward_128", "token_loop_64"} <= set(speed["tokens_per_s"])
+    points = sections["points"]["speed_points"]
+    assert plan.load_points(out) == points  # --calibrate reads the check's JSON as it is
+    assert [(p["policy"], p["batch"]) for p in points] == [
+        *((name, batch) for name, _, _, batch in gpu_check.POINT_POLICIES),
+        ("plain_forward", 1),
+    ]
+    for point in points:  # the format experiments/plan.py --calibrate reads
+        assert set(plan.POINT_KEYS) <= set(point) and point["wall_s"] > 0 and point["tokens_per_s"] > 0
+        assert point["model"] == "llama3_1_8b_small_test"  # not a shipped config: calibration skips them
+        full_size = dict(point, model="llama3_1_8b")  # the GPU's points: the time model describes them
+        assert plan.point_works(full_size).shape[1] == 3
 
 
 IMPORT_CHECK = (

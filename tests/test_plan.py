@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from experiments import plan as planner
 from rmm import integration, runner
@@ -39,35 +43,100 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class LiveBytes(TorchDispatchMode):
+    """Inside the block: the peak bytes of the storages that operations allocate (an operation's output
+    whose storage is not one of its inputs'), each counted until its last reference is gone, so that a
+    forward pass's activations and temporaries are measured, not its views or in-place writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.counted: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {
+            t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self.counted:
+                continue
+            self.counted.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, n: int) -> None:
+        self.live -= n
+        self.counted.discard(key)
+
+
+@dataclass
+class Allocated:
+    """What the engine allocates for the first chunk of ``batch`` N_TOKENS streams: the memories' KV
+    slots and scratch (the attention logits counted from the shapes the attention recorded), and the
+    peak bytes the batched forward pass allocated beyond the memories (activations, logits, attention
+    temporaries)."""
+
+    kv: int
+    scratch: int
+    persistent_scratch: int
+    forward_peak: int
+
+
 def allocated(
-    model, policy, positions: str = "original", observed: bool = False, allocation: str = "uniform"
-) -> tuple[int, int]:
-    """(KV bytes, scratch bytes) the engine allocates for the first chunk of an N_TOKENS stream
+    model,
+    policy,
+    positions: str = "original",
+    observed: bool = False,
+    allocation: str = "uniform",
+    batch: int = 1,
+) -> Allocated:
+    """The engine's allocations for the first chunk of ``batch`` N_TOKENS streams in one forward pass
     (``observed``: with an attention observer, as the reference pass)."""
     engine = StreamingEngine(model, policy, positions=positions, allocation=allocation)
     plan = engine.plan.observed() if observed else engine.plan
-    memory = engine.new_memory(N_TOKENS, plan)
+    memories = [engine.new_memory(N_TOKENS, plan) for _ in range(batch)]
     logits_shapes = []
-    if plan.record_attention:
-        store = memory.store_attention
-        memory.store_attention = lambda layer, probs: (logits_shapes.append(probs.shape), store(layer, probs))
+    for memory in memories:
+        if plan.record_attention:
+            store = memory.store_attention
+            memory.store_attention = lambda layer, probs, store=store: (
+                logits_shapes.append(probs.shape),
+                store(layer, probs),
+            )
     # a chunk past the budget: the steady state, where position rules re-rotate their sinks
     query_pos = torch.arange(plan.slots(N_TOKENS)[1]) + (policy.budget or 0)
-    position_ids = memory.begin_chunk(query_pos)
-    with integration.install(model):
-        model(
-            input_ids=query_pos[None] % model.config.vocab_size,
-            position_ids=position_ids[None],
-            kv_memory=memory,
-            use_cache=False,
-        )
-    kv = nbytes(memory.keys, memory.values, memory.key_pos, *memory.state.values())
-    scratch = nbytes(memory._allowed, memory._blocked, memory._other_bias, memory.attn, memory.utility)
-    if logits_shapes:  # fp32 logits, masked logits and probabilities [n_heads, Q, S]: one layer's at a
-        kv_heads, queries, slots = logits_shapes[0]  # time, every layer's for a backward pass
-        kept_layers = len(memory._outputs) if memory.track_gradient else 1
-        scratch += kept_layers * 3 * model.config.num_attention_heads * queries * slots * 4
-    return kv, scratch
+    position_ids = torch.stack([memory.begin_chunk(query_pos) for memory in memories])
+    tokens = torch.stack([query_pos + i for i in range(batch)]) % model.config.vocab_size  # N streams
+    live = LiveBytes()
+    with integration.install(model), torch.enable_grad() if plan.track_gradient else torch.no_grad():
+        with live:
+            logits = engine.forward(memories, tokens, position_ids)
+            assert logits.shape == (batch, query_pos.numel(), model.config.vocab_size)
+            # scored stream by stream (rmm.engine), each log-softmax kept in the graph when it has one
+            scored = [torch.log_softmax(logits[i], dim=-1) for i in range(batch) if plan.track_gradient]
+            for i in range(batch if not plan.track_gradient else 0):
+                torch.log_softmax(logits[i], dim=-1)
+            del logits, scored
+            outputs = [memory.take_outputs() for memory in memories] if plan.track_gradient else []
+            del outputs  # the graph, as the backward pass releases it
+    kv = sum(nbytes(m.keys, m.values, m.key_pos, *m.state.values()) for m in memories)
+    persistent = sum(nbytes(m._allowed, m._blocked, m._other_bias, m.attn, m.utility) for m in memories)
+    scratch = persistent
+    if logits_shapes:  # fp32 logits, masked logits and probabilities [n_heads, Q, S]: one layer's of one
+        kv_heads, queries, slots = logits_shapes[0]  # stream at a time, every layer's of every stream for
+        per_layer = 3 * model.config.num_attention_heads * queries * slots * 4  # a backward pass, where the
+        if plan.track_gradient:  # graph also keeps each layer's attended keys and values [H, S, D]
+            keys = memories[0].keys
+            per_layer += 2 * kv_heads * slots * keys.shape[-1] * keys.element_size()
+        scratch += (len(logits_shapes) if plan.track_gradient else 1) * per_layer
+    return Allocated(kv, scratch, persistent, live.peak)
 
 
 @pytest.mark.parametrize(
@@ -95,16 +164,48 @@ def allocated(
     ],
     ids=["window", "streaming_llm-cache", "full", "h2o", "rmm", "tova-cache", "rmm-gradient"],
 )
-def test_kv_and_scratch_match_allocations(saved, overrides, policy_cfg, budget, chunk, positions):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_kv_and_scratch_match_allocations(saved, overrides, policy_cfg, budget, chunk, positions, batch):
+    """Byte for byte: the memories of ``batch`` streams (KV slots, masks, recorded attention); as a bound:
+    the batched forward pass's activations, logits and attention temporaries, measured as the peak of
+    what its operations allocate, lie between half the planned figure and the planned figure."""
     path, model = saved
-    result = planner.plan(compose(path, *overrides))
-    kv, scratch = allocated(model, make_policy(policy_cfg, budget, chunk), positions)
-    assert result.kv_bytes == kv
-    assert result.scratch_bytes == scratch
+    result = planner.plan(compose(path, *overrides, f"batch={batch}"))
+    real = allocated(model, make_policy(policy_cfg, budget, chunk), positions, batch=batch)
+    assert result.batch == batch
+    assert result.kv_bytes == real.kv
+    assert result.scratch_bytes == real.scratch
     assert result.weights_bytes == nbytes(*model.parameters())
     assert result.reference_pass_bytes == 0
     expected_total = result.weights_bytes + result.kv_bytes + result.scratch_bytes + result.activation_bytes
     assert result.total_bytes == expected_total
+    planned_forward = result.activation_bytes + result.scratch_bytes - real.persistent_scratch
+    assert planned_forward / 2 <= real.forward_peak <= planned_forward, (real.forward_peak, planned_forward)
+
+
+def test_batch_multiplies_the_streams_not_the_weights(saved):
+    """batch=3: three memories and three streams' activations, one set of weights."""
+    path, _ = saved
+    one, three = (
+        planner.plan(compose(path, "policy=h2o", "budget=16", "chunk=4", f"batch={n}")) for n in (1, 3)
+    )
+    assert three.weights_bytes == one.weights_bytes
+    assert three.kv_bytes == 3 * one.kv_bytes
+    assert one.scratch_bytes < three.scratch_bytes < 3 * one.scratch_bytes  # one stream's logits at a time
+    assert 2 * one.activation_bytes < three.activation_bytes <= 3 * one.activation_bytes
+
+
+def test_batched_logits_are_planned(tmp_path: Path):
+    """A vocabulary large enough for the logits [N, C, V] to dominate the pass: the measured peak still
+    lies within the bound at batch 3 (a plan counting one stream's logits would fall below it)."""
+    model = tiny_model("llama", vocab_size=4096)
+    model.config.save_pretrained(tmp_path)
+    for batch in (1, 3):
+        result = planner.plan(compose(tmp_path, "policy=h2o", "budget=16", "chunk=4", f"batch={batch}"))
+        real = allocated(model, make_policy({"name": "h2o"}, 16, 4), batch=batch)
+        assert result.kv_bytes == real.kv and result.scratch_bytes == real.scratch
+        planned_forward = result.activation_bytes + result.scratch_bytes - real.persistent_scratch
+        assert planned_forward / 2 <= real.forward_peak <= planned_forward, (batch, real.forward_peak)
 
 
 @pytest.mark.parametrize("allocation", ["adaptive", "pyramid"])
@@ -113,21 +214,30 @@ def test_allocations_plan_their_retained_slots(saved, allocation):
     path, model = saved
     result = planner.plan(compose(path, "policy=h2o", "budget=16", "chunk=4", f"allocation={allocation}"))
     policy = make_policy({"name": "h2o"}, 16, 4)
-    kv, scratch = allocated(model, policy, allocation=allocation)
-    assert result.kv_bytes == kv and result.scratch_bytes == scratch
-    assert kv > allocated(model, policy)[0]  # more slots than uniform's B', masks carry the rest
+    real = allocated(model, policy, allocation=allocation, batch=result.batch)  # conf/config.yaml's batch
+    assert result.kv_bytes == real.kv and result.scratch_bytes == real.scratch
+    assert real.kv > allocated(model, policy, batch=result.batch).kv  # more slots than uniform's B'
 
 
 def test_reference_pass_matches_the_oracle_window(saved):
-    """The oracle's reference pass: a window of the whole stream, recording attention, chunk 256."""
+    """The oracle's reference pass: a window of the whole stream, recording attention, chunk 256. At
+    batch 3 the three documents' passes run side by side (rmm.lookahead.ReferenceRunner.prefetch) when a
+    wave is drawn, while up to two unfinished streams of the wave before still hold their memories."""
     path, model = saved
-    result = planner.plan(compose(path, "policy=oracle", "budget=16", "chunk=4"))
+    result = planner.plan(compose(path, "policy=oracle", "budget=16", "chunk=4", "batch=3"))
+    rows = 3
     window = make_policy({"name": "window"}, budget=N_TOKENS, chunk=min(256, N_TOKENS))
-    kv, scratch = allocated(model, window, observed=True)
+    real = allocated(model, window, observed=True, batch=rows)
     activations = planner.activation_bytes(
-        planner.model_architecture(compose(path).model), N_TOKENS, torch.float32
+        planner.model_architecture(compose(path).model), N_TOKENS, torch.float32, batch=rows
     )
-    assert result.reference_pass_bytes == kv + scratch + activations
+    assert result.reference_pass_bytes == real.kv + real.scratch + activations
+    assert real.forward_peak <= activations + real.scratch - real.persistent_scratch
+    memory = allocated(model, make_policy({"name": "oracle"}, 16, 4))
+    others = 2 * (memory.kv + memory.persistent_scratch)
+    beside = result.weights_bytes + result.reference_pass_bytes + others
+    streams = result.weights_bytes + result.kv_bytes + result.scratch_bytes + result.activation_bytes
+    assert result.total_bytes == max(beside, streams)
 
 
 def test_largest_chunk_is_the_boundary(saved):
@@ -135,8 +245,19 @@ def test_largest_chunk_is_the_boundary(saved):
     cfg = compose(path, "policy=h2o", "budget=32", "chunk=4")
     gpu = planner.plan(cfg, chunk=10).total_bytes
     assert planner.largest_chunk(cfg, gpu) == 10
+    assert planner.largest_chunk(cfg, gpu - 1) == 9
     assert planner.largest_chunk(cfg, 10**15) == 32  # chunk <= budget
     assert planner.largest_chunk(cfg, 1000) is None
+
+
+def test_largest_batch_is_the_boundary(saved):
+    path, _ = saved
+    cfg = compose(path, "policy=h2o", "budget=32", "chunk=4", "batch=2")
+    gpu = planner.plan(cfg, batch=5).total_bytes
+    assert planner.largest_batch(cfg, gpu) == 5
+    assert planner.largest_batch(cfg, gpu - 1) == 4
+    assert planner.largest_batch(cfg, 10**15) == planner.MAX_BATCH
+    assert planner.largest_batch(cfg, 1000) is None
 
 
 def test_cli_json(saved, capsys: pytest.CaptureFixture[str]):
@@ -148,6 +269,7 @@ def test_cli_json(saved, capsys: pytest.CaptureFixture[str]):
     for key in ("weights_bytes", "kv_bytes", "scratch_bytes", "reference_pass_bytes", "total_bytes"):
         assert isinstance(out[key], int) and out[key] >= 0
     assert out["largest_chunk"] >= 1
+    assert out["batch"] == 4 and out["largest_batch"] >= 1  # conf/config.yaml's batch
 
 
 def test_shipped_model_plans_offline():
@@ -157,7 +279,8 @@ def test_shipped_model_plans_offline():
     result = planner.plan(cfg)
     arch = cfg.model.architecture
     slots = arch.num_hidden_layers * arch.num_key_value_heads * (4096 + 1)  # B - C + 1 retained + C
-    assert result.kv_bytes == slots * (2 * arch.head_dim * 2 + 8 + 4)  # bf16 K/V, int64 position, fp32 DU
+    per_stream = slots * (2 * arch.head_dim * 2 + 8 + 4)  # bf16 K/V, int64 position, fp32 DU
+    assert result.batch == cfg.batch == 4 and result.kv_bytes == 4 * per_stream  # conf/config.yaml's batch
     assert 7.9e9 < result.weights_bytes / 2 < 8.1e9  # Llama-3-8B: 8.03 billion parameters
 
 
