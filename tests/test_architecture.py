@@ -141,3 +141,16 @@ def test_registry_refuses_two_policies_with_one_name():
 
     with pytest.raises(ValueError, match="two policies are named 'window': Window and Other"):
         registry([Window, Other])
+
+
+def test_a_policy_without_its_abstract_methods_is_refused_when_built():
+    from dataclasses import dataclass
+
+    from rmm.policies import ScorePolicy
+
+    @dataclass
+    class NoScore(ScorePolicy):
+        name = "no_score"
+
+    with pytest.raises(TypeError, match="abstract method score"):
+        NoScore(budget=8, chunk=2)

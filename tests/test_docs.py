@@ -36,3 +36,17 @@ def test_linked_files_exist() -> None:
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
         if not target.startswith("http"):
             assert (ROOT / target).exists(), f"README links to a missing file: {target}"
+
+
+def test_adding_a_policy_shows_the_code_as_it_is() -> None:
+    """docs/adding_a_policy.md's policy file and config are lru's, verbatim; and a decorated policy class
+    in the package is all the registry needs."""
+    from rmm.policies import POLICIES
+    from rmm.policies.lru import LRU
+
+    doc = (ROOT / "docs" / "adding_a_policy.md").read_text()
+    policy = re.search(r"## 2\. The policy file.*?```python\n(.*?)```", doc, re.S).group(1)
+    config = re.search(r"## 4\. The config.*?```yaml\n(.*?)```", doc, re.S).group(1)
+    assert policy == (ROOT / "rmm" / "policies" / "lru.py").read_text()
+    assert config == (ROOT / "conf" / "policy" / "lru.yaml").read_text()
+    assert POLICIES["lru"] is LRU

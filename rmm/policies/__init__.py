@@ -2,60 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import importlib
+import pkgutil
+from collections.abc import Mapping
 from typing import Any
 
-from rmm.policies.base import NEEDS, Observation, Policy, PositionRule, ReferencePass, ScorePolicy
-from rmm.policies.expected_attention import ExpectedAttention
-from rmm.policies.full import Full
-from rmm.policies.h2o import H2O
-from rmm.policies.keydiff import KeyDiff
-from rmm.policies.knorm import KNorm
-from rmm.policies.lagkv import LagKV
-from rmm.policies.lru import LRU
-from rmm.policies.observed_attention import ObservedAttention
-from rmm.policies.oracle import Oracle
-from rmm.policies.random_subset import RandomSubset
-from rmm.policies.restkv import ReSTKV
-from rmm.policies.rmm import RMM
-from rmm.policies.snapkv import SnapKV
-from rmm.policies.streaming_llm import StreamingLLM
-from rmm.policies.tova import TOVA
-from rmm.policies.window import Window
-
-
-def registry(classes: Iterable[type[Policy]]) -> dict[str, type[Policy]]:
-    """Policy classes by their ``name``; two classes with one name are refused."""
-    table: dict[str, type[Policy]] = {}
-    for cls in classes:
-        if cls.name in table:
-            raise ValueError(
-                f"two policies are named {cls.name!r}: {table[cls.name].__name__} and {cls.__name__}"
-            )
-        table[cls.name] = cls
-    return table
-
-
-POLICIES = registry(
-    (
-        Full,
-        Window,
-        StreamingLLM,
-        H2O,
-        RMM,
-        TOVA,
-        RandomSubset,
-        Oracle,
-        ObservedAttention,
-        SnapKV,
-        KNorm,
-        KeyDiff,
-        LRU,
-        LagKV,
-        ReSTKV,
-        ExpectedAttention,
-    )
+from rmm.policies.base import (
+    NEEDS,
+    POLICIES,
+    Observation,
+    Policy,
+    PositionRule,
+    ReferencePass,
+    ScorePolicy,
+    registry,
 )
+
+# every module of this package but the bases and the selection defines one policy, registered by its
+# @register decorator as it is imported: a new policy is a new file here (docs/adding_a_policy.md)
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in ("base", "select"):
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 _NOT_PARAMETERS = {"name", "tag"}
 
@@ -81,4 +48,5 @@ __all__ = [
     "ReferencePass",
     "ScorePolicy",
     "make_policy",
+    "registry",
 ]

@@ -18,9 +18,10 @@ fused scaled-dot-product attention.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -121,7 +122,7 @@ class Observation:
 
 
 @dataclass
-class Policy:
+class Policy(ABC):
     """Base of both families. ``budget`` is B (None for unbounded), ``chunk`` is C.
 
     Class attributes a policy sets: ``name`` (its registry and config name) and ``needs_reference``
@@ -148,15 +149,15 @@ class Policy:
             )
 
     @property
+    @abstractmethod
     def capacity(self) -> int:
         """Entries kept at a boundary, so that every query sees at most B."""
-        raise NotImplementedError
 
     def metric_fields(self) -> dict[str, Any]:
         """Top-level metrics this policy contributes to ``metrics.json`` (``lag``: rmm's H, else None)."""
         return {"lag": None}
 
-    def prepare(self, tokens: torch.Tensor, reference: ReferencePass) -> None:
+    def prepare(self, tokens: torch.Tensor, reference: ReferencePass) -> None:  # noqa: B027 (optional hook)
         """Called once per stream ``tokens`` [n] before it is streamed; ``reference(tokens)`` runs the
         reference pass (only policies with ``needs_reference`` may call it)."""
 
@@ -180,9 +181,9 @@ class PositionRule(Policy):
         """
         return 0
 
+    @abstractmethod
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """bool [..., Q, S]: which of the keys [..., S] each query [Q] may see."""
-        raise NotImplementedError
 
 
 @dataclass
@@ -232,12 +233,41 @@ class ScorePolicy(Policy):
     def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
         """Update ``state`` ([L, H, S] each) in place from the chunk's observation."""
 
+    @abstractmethod
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         """Retention priority [L, H, S] at boundary ``now`` (the next query's position); higher keeps.
 
         ``obs`` is the observation of the chunk that just ended (its candidates are the slots ranked).
         """
-        raise NotImplementedError
+
+
+# every policy by its ``name``, filled by :func:`register` as rmm.policies imports each policy's module
+POLICIES: dict[str, type[Policy]] = {}
+P = TypeVar("P", bound=type[Policy])
+
+
+def registry(
+    classes: Iterable[type[Policy]], table: dict[str, type[Policy]] | None = None
+) -> dict[str, type[Policy]]:
+    """``table`` (default a new one) with ``classes`` added by their ``name``; a class without a name, or
+    a second class with a name already there, is refused."""
+    table = {} if table is None else table
+    for cls in classes:
+        if not cls.name:
+            raise TypeError(f"policy class {cls.__name__} sets no `name`")
+        if table.get(cls.name, cls) is not cls:
+            raise ValueError(
+                f"two policies are named {cls.name!r}: {table[cls.name].__name__} and {cls.__name__}"
+            )
+        table[cls.name] = cls
+    return table
+
+
+def register(cls: P) -> P:
+    """Class decorator of a policy: add it to :data:`POLICIES` (``@register`` above ``@dataclass``).
+    Its abstract methods are enforced when it is built (a ScorePolicy without ``score`` is refused)."""
+    registry([cls], POLICIES)
+    return cls
 
 
 @dataclass

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import NEVER, Observation, ScorePolicy, check_protected
+from rmm.policies.base import NEVER, Observation, ScorePolicy, check_protected, register
 
 
+@register
 @dataclass
 class ExpectedAttention(ScorePolicy):
     n_future_positions: int = 512

@@ -4,9 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import PositionRule
+from rmm.policies.base import PositionRule, register
 
 
+@register
 @dataclass
 class Full(PositionRule):
     name = "full"

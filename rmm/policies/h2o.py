@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, RecentRatioPolicy, protect_recent
+from rmm.policies.base import Observation, RecentRatioPolicy, protect_recent, register
 
 
+@register
 @dataclass
 class H2O(RecentRatioPolicy):
     name = "h2o"

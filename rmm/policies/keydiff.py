@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rmm.policies.base import Observation, ScorePolicy, check_variant, significant
+from rmm.policies.base import Observation, ScorePolicy, check_variant, register, significant
 
 
+@register
 @dataclass
 class KeyDiff(ScorePolicy):
     variant: str = "harness"

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, ScorePolicy, check_variant, significant
+from rmm.policies.base import Observation, ScorePolicy, check_variant, register, significant
 
 
+@register
 @dataclass
 class KNorm(ScorePolicy):
     variant: str = "harness"

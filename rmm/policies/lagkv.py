@@ -41,12 +41,14 @@ from rmm.policies.base import (
     check_protected,
     check_variant,
     position_order,
+    register,
     significant,
 )
 
 EPS = 1e-6
 
 
+@register
 @dataclass
 class LagKV(ScorePolicy):
     partition: int = 16

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, ScorePolicy
+from rmm.policies.base import Observation, ScorePolicy, register
 
 
+@register
 @dataclass
 class LRU(ScorePolicy):
     tau: float = 0.02

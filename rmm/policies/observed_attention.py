@@ -25,10 +25,12 @@ from rmm.policies.base import (
     check_variant,
     group_size,
     protect_recent,
+    register,
     seen_count,
 )
 
 
+@register
 @dataclass
 class ObservedAttention(RecentRatioPolicy):
     variant: str = "harness"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rmm.policies.base import Observation, ReferencePass, ScorePolicy
+from rmm.policies.base import Observation, ReferencePass, ScorePolicy, register
 
 if TYPE_CHECKING:
     from rmm.future import FutureRequests
@@ -25,6 +25,7 @@ VARIANTS = ("next_use", "future_mass", "future_utility")
 WEIGHTS = ("correct", "prob", "uniform")
 
 
+@register
 @dataclass
 class Oracle(ScorePolicy):
     variant: str = "next_use"

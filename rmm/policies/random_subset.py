@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, RecentRatioPolicy, protect_recent
+from rmm.policies.base import Observation, RecentRatioPolicy, protect_recent, register
 
 _MASK52 = (1 << 52) - 1
 
@@ -27,6 +27,7 @@ def hashed_uniform(seed: int, key_pos: torch.Tensor) -> torch.Tensor:
     return ((x >> 11) & _MASK52).double() / float(1 << 52)
 
 
+@register
 @dataclass
 class RandomSubset(RecentRatioPolicy):
     seed: int = 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rmm.policies.base import Observation, ScorePolicy, position_order
+from rmm.policies.base import Observation, ScorePolicy, position_order, register
 
 RATIO_FLOOR = 1e-6  # 1 - p_j below this counts as this (p_j = 1: all of the attention on one entry)
 # ||Wbar (o - v_j)|| at most this fraction of ||Wbar o|| + ||Wbar v_j|| counts as 0: o = v_j in exact
@@ -34,6 +34,7 @@ RATIO_FLOOR = 1e-6  # 1 - p_j below this counts as this (p_j = 1: all of the att
 CHANGE_PRECISION = 1e-5
 
 
+@register
 @dataclass
 class ReSTKV(ScorePolicy):
     beta: float = 0.8

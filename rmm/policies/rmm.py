@@ -21,12 +21,20 @@ from typing import Any
 
 import torch
 
-from rmm.policies.base import Observation, ScorePolicy, check_protected, protect_recent, weighted_attention
+from rmm.policies.base import (
+    Observation,
+    ScorePolicy,
+    check_protected,
+    protect_recent,
+    register,
+    weighted_attention,
+)
 
 WEIGHTS = ("correct", "prob", "uniform", "gradient")
 AFTER_COMMIT = ("accumulate", "freeze")
 
 
+@register
 @dataclass
 class RMM(ScorePolicy):
     lag: int

@@ -33,11 +33,13 @@ from rmm.policies.base import (
     group_size,
     position_order,
     protect_recent,
+    register,
 )
 
 POOLINGS = ("avg", "max")
 
 
+@register
 @dataclass
 class SnapKV(ScorePolicy):
     window: int = 32

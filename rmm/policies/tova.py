@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import NEVER, Observation, ScorePolicy, check_variant, group_size
+from rmm.policies.base import NEVER, Observation, ScorePolicy, check_variant, group_size, register
 
 
+@register
 @dataclass
 class TOVA(ScorePolicy):
     variant: str = "harness"
