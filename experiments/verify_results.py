@@ -27,8 +27,8 @@ rounding and two orders of magnitude below the smallest differences the studies 
 script then exits 1. A differing ``correct`` is reported (a rounding change can flip a near tie of the
 argmax) but fails a run only through its NLL.
 
-``--batch N`` re-runs every sampled run with N documents per forward pass (the runs were made one
-document per pass; ``batch`` is no result key, docs/semantics.md); ``--per-root K`` samples K runs from
+``--batch N`` re-runs every sampled run with N documents per forward pass, sampling only runs made at
+another batch (``batch`` is no result key, docs/semantics.md); ``--per-root K`` samples K runs from
 each root instead of one pool; ``--min-docs D`` takes only runs of at least D documents (so that a batch
 holds several).
 
@@ -98,6 +98,7 @@ class Candidate:
     n_tokens: int
     cost_s: float  # estimated from the committed metrics
     n_docs: int = 1
+    batch: int = 1  # documents per forward pass it was made with
 
 
 @dataclass
@@ -134,7 +135,8 @@ def pool(roots: Sequence[Path], overhead_s: float, max_run_s: float | None) -> t
             if not run_is_complete(run_dir):
                 left_out["incomplete"] += 1
                 continue
-            if not available_offline(read_config(run_dir)["model"]):
+            stored = read_config(run_dir)
+            if not available_offline(stored["model"]):
                 left_out["not offline"] += 1
                 continue
             metrics = read_metrics(run_dir)
@@ -335,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         roots, args.overhead_s, args.max_run_s if math.isfinite(args.max_run_s) else None
     )
     candidates = [c for c in candidates if c.n_docs >= args.min_docs]
+    if args.batch is not None:  # against runs made at another batch (those made one document per pass)
+        candidates = [c for c in candidates if c.batch != args.batch]
     if args.per_root is None:
         chosen = sample(candidates, args.seed, args.budget_s, args.n)
     else:  # each root sampled apart
