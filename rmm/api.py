@@ -116,21 +116,22 @@ def evaluate(
     else:
         policy = make_policy({"name": policy, **policy_params}, budget=budget, chunk=chunk)
     longest = max(doc.tokens.numel() for doc in docs)
-    dims = describe_model(model)
     reference = None
     if policy.needs_reference:
-        context = reference_context(dims["max_position_embeddings"], oracle_context, longest)
+        context = reference_context(describe_model(model)["max_position_embeddings"], oracle_context, longest)
         reference = ReferenceRunner(model, oracle_tau, context)
-    device = next(model.parameters()).device
-    # the engine switches the model's attention for each stream only, and restores it after
-    engine = StreamingEngine(
-        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers, batch=batch
+    # the engine switches the model's attention for each pass only, and restores it after
+    metrics, tokens = stream_run(
+        model,
+        docs,
+        policy,
+        reference,
+        positions=positions,
+        scope=scope,
+        allocation=allocation,
+        layers=layers,
+        batch=batch,
     )
-    engine.self_check(max(docs, key=lambda doc: doc.tokens.numel()).tokens)  # before any scored token
-    memory = PeakMemory(device)
-    totals = stream_documents(engine, docs, reference, on_chunk=lambda totals, doc: _sampler(memory))
-    tokens = pd.concat(totals.token_frames, ignore_index=True)
-    metrics = stream_metrics(engine, totals, tokens, dims, longest, memory, reference)
     config = {
         "policy": {"name": policy.name, **_policy_parameters(policy)},
         "budget": policy.budget,
@@ -156,6 +157,50 @@ def load_model(
     else CPU + fp32)."""
     where = models.resolve_device(device)
     return models.load_model(models.model_config(name), where, models.resolve_dtype(dtype, where))
+
+
+def stream_run(
+    model: PreTrainedModel,
+    docs: Sequence[Document],
+    policy: Policy,
+    reference: ReferenceRunner | None = None,
+    *,
+    positions: str = "original",
+    scope: str = "head",
+    allocation: str = "uniform",
+    layers: str = "all",
+    batch: int = 4,
+    estimator: bool = False,
+    on_chunk: ChunkHookFactory | None = None,
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """The one setup of a run, shared by :func:`evaluate` and ``python run.py`` (rmm/runner.py): build the
+    engine, check it on the model with the longest document (before any scored token), stream every
+    document (:func:`stream_documents`) while sampling peak memory, and measure.
+
+    Returns the stream metrics (:func:`stream_metrics`) and the per-token frame (one row per token of
+    every document, in the documents' order).
+    """
+    engine = StreamingEngine(
+        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers, batch=batch
+    )
+    longest = max(docs, key=lambda doc: doc.tokens.numel()).tokens
+    engine.self_check(longest)
+    memory = PeakMemory(engine.device)
+
+    def sampling(totals: RunTotals, doc: Document) -> ChunkHook:
+        hook = on_chunk(totals, doc) if on_chunk is not None else None
+
+        def sample(streamed: int, nll: torch.Tensor) -> None:
+            memory.sample()
+            if hook is not None:
+                hook(streamed, nll)
+
+        return sample
+
+    totals = stream_documents(engine, docs, reference, estimator=estimator, on_chunk=sampling)
+    tokens = pd.concat(totals.token_frames, ignore_index=True)
+    dims = describe_model(model)
+    return stream_metrics(engine, totals, tokens, dims, longest.numel(), memory, reference), tokens
 
 
 def compare(
@@ -270,10 +315,6 @@ def _estimator_hook(policy: Policy, future: FutureRequests, pairs: list):
             pairs.append((scores[committing].cpu(), future.remaining_mass(key_pos, now)[committing].cpu()))
 
     return hook
-
-
-def _sampler(memory: PeakMemory) -> ChunkHook:
-    return lambda streamed, nll: memory.sample()
 
 
 def _documents(

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -16,9 +15,8 @@ from transformers import PreTrainedModel
 
 from rmm import api
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
-from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
-from rmm.metrics import PeakMemory, RunTotals
+from rmm.metrics import RunTotals
 from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import Policy, ScorePolicy, make_policy
 from rmm.policies.select import SCOPES
@@ -54,10 +52,30 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     setup = build(cfg)
     environment = environment_info()  # the code that runs, read before it runs
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
-        totals, memory, engine = stream_documents(cfg, setup, tracker)
-        tokens = pd.concat(totals.token_frames, ignore_index=True)
+        progress = tqdm(
+            total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name
+        )
+        stream_metrics, tokens = api.stream_run(
+            setup.model,
+            setup.docs,
+            setup.policy,
+            setup.reference,
+            positions=cfg.positions,
+            scope=cfg.scope,
+            allocation=cfg.get("allocation", "uniform"),
+            layers=cfg.get("layers", "all"),
+            batch=cfg.get("batch", 1),
+            estimator=_estimating(cfg, setup.policy),
+            on_chunk=lambda totals, doc: RunningPerplexity(totals, progress, tracker),
+        )
+        progress.close()
         metrics = {
-            **run_metrics(cfg, setup, totals, memory, engine, tokens),
+            **stream_metrics,
+            "n_skipped_short": setup.data_stats.n_skipped_short,
+            "model": cfg.model.name,
+            "dataset": cfg.dataset.name,
+            "seed": cfg.seed,
+            "run_name": cfg.run_name,
             **_parameters(config, "policy"),
             **_parameters(config, "dataset"),
             **environment,
@@ -102,54 +120,6 @@ def build(cfg: DictConfig) -> RunSetup:
     return RunSetup(policy, device, dtype, model, dims, docs, data_stats, longest, reference)
 
 
-def stream_documents(
-    cfg: DictConfig, setup: RunSetup, tracker: Tracker
-) -> tuple[RunTotals, PeakMemory, StreamingEngine]:
-    """Stream every document under the policy (:func:`rmm.api.stream_documents`, the path
-    :func:`rmm.evaluate` takes) with a progress bar, running perplexity and memory samples."""
-    engine = StreamingEngine(
-        setup.model,
-        setup.policy,
-        positions=cfg.positions,
-        scope=cfg.scope,
-        allocation=cfg.get("allocation", "uniform"),
-        layers=cfg.get("layers", "all"),
-        batch=cfg.get("batch", 1),
-    )
-    # check the engine on this model before the first scored token, with a probe from the longest document
-    engine.self_check(max(setup.docs, key=lambda doc: doc.tokens.numel()).tokens)
-    memory = PeakMemory(setup.device)
-    progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
-    totals = api.stream_documents(
-        engine,
-        setup.docs,
-        setup.reference,
-        estimator=bool(cfg.diagnostics.estimator),
-        on_chunk=lambda totals, doc: RunningPerplexity(totals, progress, tracker, memory),
-    )
-    progress.close()
-    return totals, memory, engine
-
-
-def run_metrics(
-    cfg: DictConfig,
-    setup: RunSetup,
-    totals: RunTotals,
-    memory: PeakMemory,
-    engine: StreamingEngine,
-    tokens: pd.DataFrame,
-) -> dict[str, Any]:
-    """metrics.json, less the policy's and dataset's parameters and the environment."""
-    return {
-        **api.stream_metrics(engine, totals, tokens, setup.dims, setup.longest, memory, setup.reference),
-        "n_skipped_short": setup.data_stats.n_skipped_short,
-        "model": cfg.model.name,
-        "dataset": cfg.dataset.name,
-        "seed": cfg.seed,
-        "run_name": cfg.run_name,
-    }
-
-
 def _parameters(config: dict, group: str) -> dict[str, Any]:
     """A config group's parameters as ``<group>.<name>`` metrics (``policy.rho``, ``dataset.n_docs``)."""
     return {f"{group}.{k}": v for k, v in config[group].items() if k not in ("name", "tag")}
@@ -161,20 +131,15 @@ def _estimating(cfg: DictConfig, policy: Policy) -> bool:
 
 
 class RunningPerplexity:
-    """Per-chunk progress: the bar's token count and running perplexity (logged to W&B every 512 tokens),
-    and a memory sample."""
+    """Per-chunk progress: the bar's token count and running perplexity (logged to W&B every 512 tokens)."""
 
-    def __init__(
-        self, totals: RunTotals, progress: tqdm, tracker: Tracker, memory: PeakMemory, log_every: int = 512
-    ):
+    def __init__(self, totals: RunTotals, progress: tqdm, tracker: Tracker, log_every: int = 512):
         self.totals, self.progress, self.tracker, self.log_every = totals, progress, tracker, log_every
-        self.memory = memory
         self.streamed = self.n_scored = 0
         self.last_logged = totals.n_scored
         self.nll_sum = 0.0
 
     def __call__(self, streamed: int, nll: torch.Tensor) -> None:
-        self.memory.sample()
         self.progress.update(streamed - self.streamed)
         self.streamed = streamed
         self.nll_sum += float(nll.sum())
