@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Natural text at the paper's ratio of budget to context (docs/results.md): 8 plays x 8192 tokens, B = 256 and 512,
-# h2o, streaming_llm, rmm (lag 128, correct and uniform) and the smoother, then the paired comparisons against h2o
-# and, for rmm(correct), against rmm(uniform).
+# h2o, streaming_llm, restkv, expected_attention, rmm (lag 128, correct and uniform) and the smoother, then the
+# paired comparisons against h2o and, for rmm(correct), against rmm(uniform).
 # Resumable: complete runs are skipped.   make natural8k   # or: bash experiments/natural8k.sh [Hydra overrides]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,3 +14,5 @@ rm -f "$OUT/runs/multirun.yaml"
 "$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md"
 "$PY" experiments/compare.py "$OUT/runs.csv" --baseline policy=h2o --baseline policy.weight=uniform \
     --table "$OUT/comparison.md"
+# The 2026 baselines against h2o and the smoother in both natural-text studies (results/cpu/baselines2026.md).
+"$PY" experiments/baselines2026.py >/dev/null
