@@ -224,3 +224,47 @@ def test_bad_batch_is_refused():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="batch must be an integer >= 1"):
             StreamingEngine(model, make_policy({"name": "h2o"}, BUDGET, 4), batch=bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "params", "positions"),
+    [
+        ("h2o", {}, "original"),
+        ("rmm", {"lag": 16}, "cache"),
+        ("knorm", {}, "original"),
+        ("tova", {}, "cache"),
+    ],
+)
+def test_a_batch_on_smollm2_streams_each_play_as_alone(name, params, positions):
+    """The real embedded model, where rounding can decide near ties: three plays of unequal length (400,
+    250 and 120 tokens; a fourth pass shape at each play's end) at batch 3 against batch 1."""
+    pytest.importorskip("gguf")
+    from omegaconf import OmegaConf
+
+    from rmm.data import load_documents
+    from rmm.models import load_model
+
+    model, tokenizer = load_model(
+        OmegaConf.load("conf/model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+    )
+    data = OmegaConf.merge(OmegaConf.load("conf/dataset/shakespeare.yaml"), {"n_docs": 3, "max_tokens": 400})
+    docs = [
+        doc.tokens[:n] for doc, n in zip(load_documents(data, tokenizer)[0], (400, 250, 120), strict=True)
+    ]
+    policy = make_policy({"name": name, **params}, budget=64, chunk=16)
+    runs = []
+    for batch in (1, 3):
+        engine = StreamingEngine(model, policy, positions=positions, batch=batch)
+        logs = [set_recorder() for _ in docs]
+        requests = [
+            StreamRequest(d, copy.copy(policy), StreamHooks(on_boundary=h))
+            for d, (h, _) in zip(docs, logs, strict=True)
+        ]
+        results = {index: result for index, result, _ in engine.stream_many(requests)}
+        runs.append(([results[i] for i in range(len(docs))], [sets for _, sets in logs]))
+    (alone, alone_sets), (batched, batched_sets) = runs
+    for one, many, one_sets, many_sets in zip(alone, batched, alone_sets, batched_sets, strict=True):
+        record_max("per-token |NLL batched - alone|, SmolLM2 fp32", float((one.nll - many.nll).abs().max()))
+        torch.testing.assert_close(many.nll, one.nll, rtol=0, atol=BATCH_ATOL)
+        assert many_sets == one_sets
