@@ -6,10 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+source experiments/sweeps.sh
 OUT=results/cpu/natural8k
-for sweep in baselines rmm smoother; do
-    "$PY" run.py -m "experiment=natural8k_cpu_${sweep}" "$@"
-done
+run_sweeps natural8k_cpu_ baselines rmm smoother -- "$@"
 rm -f "$OUT/runs/multirun.yaml"
 "$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md"
 "$PY" experiments/compare.py "$OUT/runs.csv" --baseline policy=h2o --baseline policy.weight=uniform \

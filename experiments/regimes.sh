@@ -9,16 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+source experiments/sweeps.sh
 OUT=results/cpu/regimes
 read -r -a SWEEPS <<<"${REGIME_SWEEPS:-echo_h2o echo_rmm echo_smoother echo_freeze decoys_h2o decoys_rmm decoys_smoother decoys_freeze gap_h2o gap_rmm gap_smoother gap_freeze echo_baselines2026}"
 
 if [ -z "${REPORT_ONLY:-}" ]; then
-    for sweep in "${SWEEPS[@]}"; do
-        start=$(date +%s)
-        echo "== regimes_cpu_${sweep} ($(date -u +%H:%M:%S) UTC)"
-        "$PY" run.py -m "experiment=regimes_cpu_${sweep}" "$@"
-        echo "== regimes_cpu_${sweep}: $(($(date +%s) - start)) s"
-    done
+    run_sweeps regimes_cpu_ "${SWEEPS[@]}" -- "$@"
     rm -f "$OUT/runs/multirun.yaml"
 fi
 "$PY" experiments/regimes.py "$OUT/runs" --out "$OUT"

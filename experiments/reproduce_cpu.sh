@@ -9,16 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+source experiments/sweeps.sh
 OUT=${OUT:-results/cpu}  # another folder for other settings, e.g. OUT=results/cpu8 ... dataset.n_docs=8
 # Order: the cheap references first, the budget-512 rmm lag grid last (the first thing to drop if too slow).
 read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512 rmm_gradient smoother}"
 
-for sweep in "${SWEEPS[@]}"; do
-    start=$(date +%s)
-    echo "== reproduce_cpu_${sweep} ($(date -u +%H:%M:%S) UTC)"
-    "$PY" run.py -m "experiment=reproduce_cpu_${sweep}" "hydra.sweep.dir=$OUT/runs" "$@"
-    echo "== reproduce_cpu_${sweep}: $(($(date +%s) - start)) s"
-done
+run_sweeps reproduce_cpu_ "${SWEEPS[@]}" -- "hydra.sweep.dir=$OUT/runs" "$@"
 rm -f "$OUT/runs/multirun.yaml"  # Hydra's record of the last sweep only; each run keeps its own config.yaml
 
 # runs.csv with each run's 95 % perplexity interval (ppl_ci_low/high), the table as "ppl [lo, hi]".

@@ -7,15 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+source experiments/sweeps.sh
 OUT=results/cpu/reuse
 read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-refs rmm lags decoys decoys_uniform gap extra freeze b64 b64_rmm gradient gradient_freeze smoother}"
 
-for sweep in "${SWEEPS[@]}"; do
-    start=$(date +%s)
-    echo "== reuse_cpu_${sweep} ($(date -u +%H:%M:%S) UTC)"
-    "$PY" run.py -m "experiment=reuse_cpu_${sweep}" "$@"
-    echo "== reuse_cpu_${sweep}: $(($(date +%s) - start)) s"
-done
+run_sweeps reuse_cpu_ "${SWEEPS[@]}" -- "$@"
 rm -f "$OUT/runs/multirun.yaml"
 
 "$PY" experiments/reuse_report.py "$OUT/runs" --out "$OUT"
