@@ -52,3 +52,32 @@ def test_adding_a_policy_shows_the_code_as_it_is() -> None:
     assert policy == (ROOT / "rmm" / "policies" / "lru.py").read_text()
     assert config == (ROOT / "conf" / "policy" / "lru.yaml").read_text()
     assert POLICIES["lru"] is LRU
+
+
+def test_every_study_file_belongs_to_one_study() -> None:
+    """docs/studies.md claims every sweep preset, study script and results entry exactly once."""
+    import fnmatch
+
+    text = (ROOT / "docs" / "studies.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| study")]
+    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    presets = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+    presets += ["lag_arm/"]
+    for preset in presets:
+        owners = []
+        for cell in (row[2] for row in cells):
+            names = re.findall(r"`([^`]+)`", cell.split(" but ")[0])
+            excluded = re.findall(r"`([^`]+)`", cell.split(" but ")[1]) if " but " in cell else []
+            if any(fnmatch.fnmatch(preset, name) for name in names) and preset not in excluded:
+                owners.append(cell)
+        assert len(owners) == 1, (
+            f"conf/experiment/{preset} belongs to {len(owners)} studies in docs/studies.md"
+        )
+    scripts = [p.name for p in (ROOT / "experiments").glob("*.sh") if p.name != "sweeps.sh"]
+    for script in scripts:
+        assert sum(f"`{script}`" in row[3] for row in cells) == 1, f"experiments/{script} in docs/studies.md"
+    for entry in sorted((ROOT / "results" / "cpu").iterdir()):
+        if entry.name.startswith("."):
+            continue
+        named = (f"results/cpu/{entry.name}", f"`{entry.name}`", f"`{entry.name}/`")
+        assert any(form in text for form in named), f"results/cpu/{entry.name} is in no study"
