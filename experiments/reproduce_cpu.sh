@@ -5,7 +5,7 @@
 #   make reproduce-cpu                    # or: bash experiments/reproduce_cpu.sh [extra Hydra overrides]
 # PY selects the interpreter (default .venv/bin/python); OUT the results folder (default results/cpu);
 # REPRODUCE_SWEEPS a subset of the sweeps (names without the reproduce_cpu_ prefix, space-separated;
-# default all); extra arguments go to every sweep.
+# default all); extra arguments go to every sweep; REPORT_ONLY=1 only rewrites the tables and figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -14,8 +14,10 @@ OUT=${OUT:-results/cpu}  # another folder for other settings, e.g. OUT=results/c
 # Order: the cheap references first, the budget-512 rmm lag grid last (the first thing to drop if too slow).
 read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512 rmm_gradient smoother}"
 
-run_sweeps reproduce_cpu_ "${SWEEPS[@]}" -- "hydra.sweep.dir=$OUT/runs" "$@"
-rm -f "$OUT/runs/multirun.yaml"  # Hydra's record of the last sweep only; each run keeps its own config.yaml
+if [ -z "${REPORT_ONLY:-}" ]; then
+    run_sweeps reproduce_cpu_ "${SWEEPS[@]}" -- "hydra.sweep.dir=$OUT/runs" "$@"
+    rm -f "$OUT/runs/multirun.yaml"  # Hydra's record of the last sweep only; each run keeps its own config.yaml
+fi
 
 # runs.csv with each run's 95 % perplexity interval (ppl_ci_low/high), the table as "ppl [lo, hi]".
 "$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md" --intervals
