@@ -283,6 +283,12 @@ def _load(pretrained: Any, tokenizer: Any, revision: str | None, device: torch.d
     return model, tokenizer, int(max_context or describe_model(model)["max_position_embeddings"])
 
 
+def _counter(progress: tqdm, doc: Document):
+    """A per-chunk hook that advances ``progress`` by one when ``doc``'s last chunk has streamed."""
+    n = doc.tokens.numel()
+    return lambda streamed, nll: progress.update(1) if streamed == n else None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """lm-eval's command line (``lm_eval ...``) with the ``rmm`` model registered."""
     from lm_eval.__main__ import cli_evaluate
@@ -294,9 +300,3 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":  # python -m rmm.lm_eval: this module (as __main__) registered the model above
     main()
-
-
-def _counter(progress: tqdm, doc: Document):
-    """A per-chunk hook that advances ``progress`` by one when ``doc``'s last chunk has streamed."""
-    n = doc.tokens.numel()
-    return lambda streamed, nll: progress.update(1) if streamed == n else None
