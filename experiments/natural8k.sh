@@ -8,8 +8,10 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 source experiments/sweeps.sh
 OUT=results/cpu/natural8k
-run_sweeps natural8k_cpu_ baselines rmm smoother -- "$@"
-rm -f "$OUT/runs/multirun.yaml"
+if [ -z "${REPORT_ONLY:-}" ]; then  # REPORT_ONLY=1: only the tables
+    run_sweeps natural8k_cpu_ baselines rmm smoother -- "$@"
+    rm -f "$OUT/runs/multirun.yaml"
+fi
 "$PY" experiments/collect.py "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md"
 "$PY" experiments/compare.py "$OUT/runs.csv" --baseline policy=h2o --baseline policy.weight=uniform \
     --table "$OUT/comparison.md"
