@@ -32,13 +32,9 @@ class RunSetup:
     """Everything a run streams with, built once from the config."""
 
     policy: Policy
-    device: torch.device
-    dtype: torch.dtype
     model: PreTrainedModel
-    dims: dict[str, Any]
     docs: list[Document]
     data_stats: DatasetStats
-    longest: int  # tokens in the longest stream
     reference: ReferenceRunner | None  # the reference pass, when the policy or a diagnostic needs it
 
 
@@ -117,7 +113,7 @@ def build(cfg: DictConfig) -> RunSetup:
     if policy.needs_reference or _estimating(cfg, policy):
         context = configured_reference_context(cfg, dims["max_position_embeddings"], longest)
         reference = ReferenceRunner(model, cfg.oracle.tau, context)
-    return RunSetup(policy, device, dtype, model, dims, docs, data_stats, longest, reference)
+    return RunSetup(policy, model, docs, data_stats, reference)
 
 
 def _parameters(config: dict, group: str) -> dict[str, Any]:
