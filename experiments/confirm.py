@@ -2,6 +2,7 @@
 
     python -m experiments.confirm results/cpu/confirm/runs --out results/cpu/confirm
     python -m experiments.confirm --cells smollm2_135m      # the cells' overrides, for experiments/confirm.sh
+    python -m experiments.confirm --natural-lag 256 results/cpu/confirm/natural2048/runs  # the lag at B=256
 
 For every prediction of ``experiments/confirm_predictions.yaml`` (comparison b / a in a cell, one model):
 the per-seed paired log-ratio of recall perplexity (each seed's recall code tokens, its streams pooled),
@@ -31,6 +32,7 @@ from rmm.storage import atomic_write_text
 PREDICTIONS = Path(__file__).with_name("confirm_predictions.yaml")
 SEEDS = list(range(11, 19))  # the registered generator seeds
 ALPHA, TIE_BOUNDS = 0.05, (0.8, 1.25)
+NATURAL_LAGS = (32, 64, 128)  # the natural-text study's lag choice (confirm_cpu_natural_lags)
 FACTOR_KEYS = {
     "echo_gap": "dataset.echo_gap",
     "recall_gap": "dataset.recall_gap",
@@ -186,6 +188,20 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def natural_lag(runs: Path, budget: int) -> int:
+    """The registered lag choice for the natural-text study: among rmm(correct)'s runs at ``budget``, the lag
+    with the lowest perplexity, ties to the smaller lag. Refuses when none of the registered lags has run."""
+    frame = collect([runs], intervals=False) if runs.is_dir() else pd.DataFrame()
+    if not frame.empty:
+        frame = frame[
+            (frame["policy"] == "rmm") & (frame["policy.weight"] == "correct") & (frame["budget"] == budget)
+        ]
+    if frame.empty or set(frame["lag"].astype(int)) != set(NATURAL_LAGS):
+        raise SystemExit(f"the lag study has not run all of lags {NATURAL_LAGS} at B={budget} in {runs}")
+    best = frame.sort_values(["ppl", "lag"]).iloc[0]
+    return int(best["lag"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -193,8 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="write verdicts.csv and verdicts.md here")
     parser.add_argument("--cells", metavar="MODEL", help="print the cells' overrides for MODEL and stop")
+    parser.add_argument(
+        "--natural-lag", type=int, metavar="BUDGET", help="print the lag chosen at BUDGET and stop"
+    )
     parser.add_argument("--n-resamples", type=int, default=N_RESAMPLES)
     args = parser.parse_args(argv)
+    if args.natural_lag is not None:
+        if args.runs is None:
+            parser.error("--natural-lag needs the lag study's runs directory")
+        print(natural_lag(args.runs, args.natural_lag))
+        return 0
     if args.cells:
         print("\n".join(cell_overrides(args.cells)))
         return 0

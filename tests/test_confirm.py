@@ -114,3 +114,24 @@ def test_verdict_table_on_synthetic_runs(study: Path, tmp_path: Path) -> None:
         "| win | smollm2_135m | W2 | correct_vs_h2o |" in text
         and "confirmed 2, refuted 1, pending 57" in text
     )
+
+
+def test_natural_lag_takes_the_lowest_perplexity_ties_to_the_smaller_lag(tmp_path: Path) -> None:
+    root = tmp_path / "natural2048"
+    ppls = {(256, 32): 30.0, (256, 64): 29.0, (256, 128): 29.0, (512, 32): 25.0, (512, 64): 26.0}
+    tokens = pd.DataFrame(
+        {"doc_id": ["a"], "position": [1], "token_id": [5], "nll": [1.0], "correct": [True]}
+    )
+    for (budget, lag), ppl in ppls.items():
+        name = f"rmm_H{lag}_B{budget}"
+        metrics = {
+            "run_name": name,
+            "policy": "rmm",
+            "policy.weight": "correct",
+            "budget": budget,
+            "lag": lag,
+        }
+        write_run(root / name, {"run_name": name}, {**metrics, "ppl": ppl}, tokens)
+    assert confirm.natural_lag(root, 256) == 64  # 64 and 128 tie: the smaller lag
+    with pytest.raises(SystemExit, match="has not run all of lags"):
+        confirm.natural_lag(root, 512)  # lag 128 missing
