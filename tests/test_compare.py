@@ -1,4 +1,4 @@
-"""Paired comparisons and bootstrap intervals (experiments/compare.py, rmm/bootstrap.py) on SYNTHETIC runs."""
+"""Paired comparisons and bootstrap intervals (rmm/analysis/compare.py, bootstrap.py) on SYNTHETIC runs."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from experiments import compare
-from experiments.collect import collect, load_runs, write_csv
-from rmm.bootstrap import mean_interval, nll_interval, replicate_means
+from rmm.analysis import compare
+from rmm.analysis.bootstrap import mean_interval, nll_interval, replicate_means
+from rmm.analysis.collect import collect, load_runs, write_csv
 from rmm.storage import read_tokens, write_run
 from tests.fixtures.results.synthetic import make_synthetic_results
 

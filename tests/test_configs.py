@@ -32,9 +32,14 @@ Compose = Callable[..., DictConfig]
 
 
 def options(group: str) -> list[str]:
-    """Option names of a config group, nested ones as ``sub/name``."""
-    root = CONF / group
-    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+    """Option names of a config group, nested ones as ``sub/name``; ``experiment`` is every study's presets
+    (``studies/<study>/experiment/``, on Hydra's search path)."""
+    roots = (
+        sorted((CONF.parent / "studies").glob("*/experiment")) if group == "experiment" else [CONF / group]
+    )
+    names = [str(p.relative_to(root).with_suffix("")) for root in roots for p in root.rglob("*.yaml")]
+    assert len(names) == len(set(names)), f"two studies define the same {group} preset"
+    return sorted(names)
 
 
 def sweep_jobs(params: Mapping[str, Any]) -> list[list[str]]:

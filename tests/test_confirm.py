@@ -1,5 +1,5 @@
-"""The confirmatory study's analysis (experiments/confirm.py): Holm, the verdict rules, and the verdict table
-on synthetic runs over real generated streams (one registered cell; the others pending)."""
+"""The confirmatory study's analysis (studies/confirm/confirm.py): Holm, the verdict rules, and the verdict
+table on synthetic runs over real generated streams (one registered cell; the others pending)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments import confirm
 from rmm.data import load_documents
 from rmm.engine import StreamResult
 from rmm.metrics import segment_metrics, token_frame
 from rmm.storage import write_run
+from studies.confirm import confirm
 from tests.test_reuse import filler_dir, reuse_cfg, tok  # noqa: F401  (fixtures)
 
 # (policy, lag, weight, after_commit, recall NLL offset) in cell W2: rmm(correct) recalls better than h2o and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -17,13 +18,19 @@ def section(title: str) -> str:
 
 def test_layout_lists_every_module() -> None:
     layout = section("Layout")
-    missing = [f"rmm/{p.name}" for p in sorted((ROOT / "rmm").glob("*.py")) if p.name != "__init__.py"]
-    missing = [name for name in missing if name not in layout]
-    scripts = [p for p in sorted((ROOT / "experiments").iterdir()) if p.suffix in (".py", ".sh")]
-    missing += [f"experiments/{p.name}" for p in scripts if p.name != "__init__.py" and p.name not in layout]
+    modules = [p for p in sorted((ROOT / "rmm").glob("*.py")) if p.name != "__init__.py"]
+    modules += [p for p in sorted((ROOT / "rmm" / "analysis").glob("*.py")) if p.name != "__init__.py"]
+    modules += [p for p in sorted((ROOT / "checks").glob("*.py")) if p.name != "__init__.py"]
+    missing = [p.relative_to(ROOT).as_posix() for p in modules]
+    missing = [name for name in missing if name not in layout and Path(name).name not in layout]
+    missing += [f"studies/{d.name}/" for d in study_dirs() if f" {d.name}/" not in layout]
     if any((ROOT / "rmm" / "policies").glob("*.py")) and "rmm/policies/" not in layout:
         missing.append("rmm/policies/")
     assert not missing, f"add these modules to the README's Layout section: {missing}"
+
+
+def study_dirs() -> list[Path]:
+    return sorted(d for d in (ROOT / "studies").iterdir() if d.is_dir() and d.name != "__pycache__")
 
 
 def test_readme_is_a_front_page() -> None:
@@ -55,29 +62,41 @@ def test_adding_a_policy_shows_the_code_as_it_is() -> None:
 
 
 def test_every_study_file_belongs_to_one_study() -> None:
-    """docs/studies.md claims every sweep preset, study script and results entry exactly once."""
-    import fnmatch
-
-    text = (ROOT / "docs" / "studies.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| study")]
-    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
-    presets = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-    presets += ["lag_arm/"]
-    for preset in presets:
-        owners = []
-        for cell in (row[2] for row in cells):
-            names = re.findall(r"`([^`]+)`", cell.split(" but ")[0])
-            excluded = re.findall(r"`([^`]+)`", cell.split(" but ")[1]) if " but " in cell else []
-            if any(fnmatch.fnmatch(preset, name) for name in names) and preset not in excluded:
-                owners.append(cell)
-        assert len(owners) == 1, (
-            f"conf/experiment/{preset} belongs to {len(owners)} studies in docs/studies.md"
-        )
-    scripts = [p.name for p in (ROOT / "experiments").glob("*.sh") if p.name != "sweeps.sh"]
-    for script in scripts:
-        assert sum(f"`{script}`" in row[3] for row in cells) == 1, f"experiments/{script} in docs/studies.md"
+    """Each study folder's README names its every file, its presets, a reading that exists and its results;
+    docs/studies.md indexes every folder once; every results/cpu entry belongs to exactly one study (or to
+    the checks named in docs/studies.md); every folder with presets is on Hydra's search path."""
+    index = (ROOT / "docs" / "studies.md").read_text()
+    searchpath = (ROOT / "conf" / "config.yaml").read_text()
+    claims: dict[str, list[str]] = {}
+    for folder in study_dirs():
+        readme = (folder / "README.md").read_text()
+        assert index.count(f"[studies/{folder.name}/]") == 1, f"studies/{folder.name} in docs/studies.md"
+        for entry in folder.iterdir():
+            if entry.name in ("README.md", "__init__.py", "__pycache__", "experiment"):
+                continue
+            assert f"`{entry.name}`" in readme or f"studies/{folder.name}/{entry.name}" in readme, (
+                f"studies/{folder.name}/README.md does not name {entry.name}"
+            )
+        presets = folder / "experiment"
+        if presets.is_dir():
+            assert f"pkg://studies.{folder.name}\n" in searchpath, f"studies.{folder.name}: not on searchpath"
+            for preset in presets.iterdir():
+                stem = preset.stem if preset.suffix == ".yaml" else f"{preset.name}/"
+                patterns = re.findall(r"`experiment/([^`]+?)(?:\.yaml)?`", readme)
+                assert any(fnmatch.fnmatch(stem, pattern) for pattern in patterns), (
+                    f"studies/{folder.name}/README.md does not name its preset {preset.name}"
+                )
+        reading = re.search(r"\*\*Reading:\*\* (.*)", readme).group(1)
+        for target in re.findall(r"\]\(([^)#]+)", reading):
+            assert (folder / target).exists(), f"studies/{folder.name}/README.md links to a missing {target}"
+        results = re.search(r"\*\*Results:\*\* (.*)", readme).group(1)
+        for path in re.findall(r"`(results/[^`]+)`", results):
+            assert (ROOT / path).exists(), f"studies/{folder.name}/README.md names a missing {path}"
+            claims.setdefault(path.split("/")[2], []).append(folder.name)
+    checks = index[index.index("The harness's own checks") :]
+    for path in re.findall(r"`(results/cpu/[^`]+)`", checks):
+        claims.setdefault(path.split("/")[2], []).append("checks")
     for entry in sorted((ROOT / "results" / "cpu").iterdir()):
-        if entry.name.startswith("."):
-            continue
-        named = (f"results/cpu/{entry.name}", f"`{entry.name}`", f"`{entry.name}/`")
-        assert any(form in text for form in named), f"results/cpu/{entry.name} is in no study"
+        if not entry.name.startswith("."):
+            owners = claims.get(entry.name, [])
+            assert len(owners) == 1, f"results/cpu/{entry.name} belongs to {owners or 'no study'}"

@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments import collect as collect_cli
-from experiments import figures
-from experiments.collect import collect, load_runs, main_table, with_labels, write_csv
+from rmm.analysis import collect as collect_cli
+from rmm.analysis import figures
+from rmm.analysis.collect import collect, load_runs, main_table, with_labels, write_csv
 from tests.fixtures.results import synthetic
 from tests.fixtures.results.synthetic import BUDGETS, LAGS, expected_ppl, make_synthetic_results
 
@@ -334,7 +334,7 @@ def test_one_policy_table_covers_every_policy_and_weight() -> None:
     no two policies (and no two weights) share a colour."""
     from matplotlib import colors as mcolors
 
-    from experiments.policy_table import POLICY_TABLE, WEIGHT_COLORS
+    from rmm.analysis.policy_table import POLICY_TABLE, WEIGHT_COLORS
     from rmm.policies import POLICIES, oracle, rmm
 
     assert set(POLICY_TABLE) == set(POLICIES)

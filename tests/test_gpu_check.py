@@ -1,4 +1,4 @@
-"""experiments/gpu_check.py end to end on the CPU (--small), and its dependency promise."""
+"""checks/gpu_check.py end to end on the CPU (--small), and its dependency promise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_proxies import BF16_TOKEN_NLL_ATOL, DECIDING_SAME_SETS, EXACT_SETS, KEY_RANKING_MEAN_NLL_ATOL
 
-from experiments import gpu_check, plan
+from checks import gpu_check, plan
 from rmm.policies import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_small_check_runs_end_to_end(tmp_path: Path):
         *((name, batch) for name, _, _, batch in gpu_check.POINT_POLICIES),
         ("plain_forward", 1),
     ]
-    for point in points:  # the format experiments/plan.py --calibrate reads
+    for point in points:  # the format checks/plan.py --calibrate reads
         assert set(plan.POINT_KEYS) <= set(point) and point["wall_s"] > 0 and point["tokens_per_s"] > 0
         assert point["model"] == "llama3_1_8b_small_test"  # not a shipped config: calibration skips them
         full_size = dict(point, model="llama3_1_8b")  # the GPU's points: the time model describes them
@@ -53,7 +53,7 @@ def test_small_check_runs_end_to_end(tmp_path: Path):
 
 
 IMPORT_CHECK = (
-    "import sys, experiments.gpu_check; "
+    "import sys, checks.gpu_check; "
     "print(sorted({m.split('.')[0] for m in sys.modules} & "
     "{'hydra', 'omegaconf', 'wandb', 'datasets', 'gguf', 'submitit'}))"
 )

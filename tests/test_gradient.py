@@ -148,8 +148,9 @@ def test_reference_per_query_loss_equals_chunk_loss_at_chunk_1(tiny_models, stre
 
 @pytest.mark.slow  # loads SmolLM2
 def test_gradient_chunking_script_runs(capsys, monkeypatch):
-    """experiments/gradient_chunking.py end to end on a short stream: both comparisons and the sink line."""
-    from experiments import gradient_chunking
+    """studies/gradient/gradient_chunking.py end to end on a short stream: both comparisons and the sink
+    line."""
+    from studies.gradient import gradient_chunking
 
     args = ["--tokens", "48", "--chunk", "8", "--lag", "8", "--budget", "24", "--threads", "1"]
     monkeypatch.setattr("sys.argv", ["gradient_chunking", *args])

@@ -1,4 +1,4 @@
-"""The ``variant=kvpress`` policies against kvpress's own presses (experiments/kvpress_parity.py).
+"""The ``variant=kvpress`` policies against kvpress's own presses (checks/kvpress_parity.py).
 
 At the engine's first boundary (a kvpress prefill of C tokens) each press's ``score``, called on inputs
 built from the engine's memory, must equal the policy's scores to rounding, and its top B' must be the set
@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from experiments import kvpress_parity as parity
+from checks import kvpress_parity as parity
 from rmm.config import check_run, config_dir
 from rmm.matrix import distinct_stream, tiny_model
 from rmm.policies import make_policy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from experiments.mutation_check import MUTANTS, ROOT
+from checks.mutation_check import MUTANTS, ROOT
 
 
 def test_every_mutant_applies_to_the_current_code():

@@ -15,7 +15,7 @@ from conftest import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from experiments import plan as planner
+from checks import plan as planner
 from rmm import integration, runner
 from rmm.data import DatasetStats, Document
 from rmm.engine import StreamingEngine

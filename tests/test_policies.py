@@ -176,7 +176,7 @@ def matrix():
     (multi-head, partial rotary) and Gemma 3 (a sliding layer the streams outgrow, a global layer, rotary
     frequencies per layer type) each policy's first case at chunk 4 (at 1 where 4 does not fit); Qwen2
     and Mistral (Llama's attention and RoPE code paths) and the other chunks run in the slow suite.
-    Chunk 4 kills the most mutants of experiments/mutation_check.py (full chunks of several queries)."""
+    Chunk 4 kills the most mutants of checks/mutation_check.py (full chunks of several queries)."""
     seen = set()
     for arch in ARCHS:
         for (name, params), ident in zip(CASES, CASE_IDS, strict=True):

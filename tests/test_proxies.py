@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from experiments import gpu_check
+from checks import gpu_check
 from rmm.engine import StreamingEngine
 from rmm.matrix import TINY, sampled_stream
 from rmm.models import config_from_architecture, describe_model
@@ -26,7 +26,7 @@ CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
 SHIPPED = sorted(p.stem for p in CONF_MODEL.glob("*.yaml") if p.stem != "local")
 CPU = torch.device("cpu")
 
-# The bf16 engine against the fp32 reference (experiments/gpu_check.py's matrix: every policy case,
+# The bf16 engine against the fp32 reference (checks/gpu_check.py's matrix: every policy case,
 # chunk 1 and 4, both position modes, 48-token streams the model partly predicts), stated per case:
 BF16_TOKEN_NLL_ATOL = 0.05  # per-token |NLL difference| while the retained sets are still identical
 # Policies whose decisions depend on positions only (full, window, streaming_llm, random) or on

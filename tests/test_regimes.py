@@ -1,4 +1,4 @@
-"""The regime map's report (experiments/regimes.py) on synthetic runs over real generated streams, and the
+"""The regime map's report (studies/regimes/regimes.py) on synthetic runs over real generated streams, and the
 seed-level cluster of the bootstrap."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments import regimes, regimes_t
-from rmm.bootstrap import replicate_means
+from rmm.analysis.bootstrap import replicate_means
 from rmm.data import load_documents
 from rmm.engine import StreamResult
 from rmm.metrics import segment_metrics, token_frame
 from rmm.storage import write_run
+from studies.regimes import regimes, regimes_t
 from tests.test_reuse import filler_dir, reuse_cfg, tok  # noqa: F401  (fixtures)
 
 SEEDS = (1, 2, 3)

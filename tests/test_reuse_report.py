@@ -1,4 +1,5 @@
-"""The controlled-reuse report (experiments/reuse_report.py) on synthetic runs over real generated streams."""
+"""The controlled-reuse report (studies/reuse/reuse_report.py) on synthetic runs over real generated
+streams."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments import reuse_report
 from rmm.data import load_documents
 from rmm.engine import StreamResult
 from rmm.metrics import segment_metrics, token_frame
 from rmm.storage import write_run
+from studies.reuse import reuse_report
 from tests.test_reuse import filler_dir, reuse_cfg, tok  # noqa: F401  (fixtures)
 
 # (policy, budget, lag, weight, after_commit, n_decoys, recall NLL offset)

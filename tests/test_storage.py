@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.collect import collect
 from rmm import files, storage
+from rmm.analysis.collect import collect
 from rmm.storage import (
     atomic_write_text,
     environment_info,

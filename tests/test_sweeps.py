@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments.collect import collect
+from rmm.analysis.collect import collect
 from rmm.storage import CONFIG_FILE, METRICS_FILE, TOKENS_FILE, read_metrics, read_tokens
 
 ROOT = Path(__file__).resolve().parents[1]

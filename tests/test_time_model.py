@@ -1,4 +1,4 @@
-"""The time model (experiments/time_model.py) and the planner's --time, --calibrate and sweeps."""
+"""The time model (checks/time_model.py) and the planner's --time, --calibrate and sweeps."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 
-from experiments import plan as planner
-from experiments import time_model
-from experiments.time_model import GPUS, ModelShape, StreamShape
+from checks import plan as planner
+from checks import time_model
+from checks.time_model import GPUS, ModelShape, StreamShape
 from rmm.engine import StreamingEngine
 from rmm.policies import make_policy
 
@@ -122,7 +122,7 @@ def test_cli_time_of_a_sweep(capsys: pytest.CaptureFixture[str]):
 
 
 def test_bench_points_as_bench_writes_them():
-    """experiments/bench.py's labels: ``window@C`` with ``pass_tokens`` (a position rule in C-token
+    """checks/bench.py's labels: ``window@C`` with ``pass_tokens`` (a position rule in C-token
     passes), and the weight in ``run`` (``rmm[gradient]/original``) where ``policy`` drops it."""
     base = {"model": "smollm2_135m", "positions": "original", "budget": 256, "chunk": 64, "batch": 1}
     base |= {"n_docs": 2, "tokens_per_doc": 1024, "threads": 2, "records_attention": False}

@@ -1,4 +1,4 @@
-"""experiments/verify_results.py on a tiny synthetic run: an intact run passes, a perturbed token file fails,
+"""checks/verify_results.py on a tiny synthetic run: an intact run passes, a perturbed token file fails,
 hub models stay out of the pool, and the sample is fixed by the seed and fits the time budget."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 from conftest import SENTENCES, tiny_model, tiny_tokenizer
 from hydra import compose, initialize_config_dir
 
-from experiments import verify_results
+from checks import verify_results
 from rmm.runner import run
 from rmm.storage import CONFIG_FILE, TOKENS_FILE
 

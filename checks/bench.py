@@ -1,0 +1,430 @@
+"""Throughput benchmark, everything measured side by side in one process on the same tokens.
+
+    python checks/bench.py [--tokens 8192] [--docs 8] [--batch 4] [--budget 256] [--chunk 64]
+    python checks/bench.py --batches 1 2 4 8       # also tokens/s against the batch size
+    python checks/bench.py --chunks 64 256 512     # throughput against C, engine and plain forward
+    python checks/bench.py --profile               # top operators: streaming_llm (cache) vs window
+    python checks/bench.py --out results/bench     # also write results/bench/speed_B256_T4096.md
+
+The engine streams the first ``--tokens`` tokens of the Shakespeare sample as ``--docs`` documents of
+equal length, ``--batch`` side by side per forward pass (each with its own memory and decisions).
+Prints tokens/s of the engine under every policy (position rules, attention-based and attention-free
+score-based policies; expected_attention is attention-free: it records no attention probabilities and
+streams on the fused attention path, restkv records them), of a token-by-token physical-eviction loop
+(StreamingLLM's evaluation method: one token per forward, KV cache sliced after every step), and of plain
+forward passes over 2048-token windows, then the ratios the project's targets are stated in. With
+``--repeats R`` the engine runs are repeated R times, interleaved (every policy once per round), and each
+policy's fastest round counts, which damps the effect of other load on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+from omegaconf import OmegaConf
+
+from checks.yardsticks import plain_forward, token_loop
+from rmm import recording
+from rmm.data import load_documents
+from rmm.engine import StreamingEngine, StreamRequest
+from rmm.files import atomic_write_text
+from rmm.models import load_model
+from rmm.policies import make_policy
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+# attention-free: no attention probabilities recorded, the fused attention path (expected_attention reads
+# queries, keys and values); attention-based: the eager path that records them
+ATTENTION_FREE = ("knorm", "keydiff", "lagkv", "expected_attention")
+ATTENTION_BASED = ("h2o", "rmm", "tova", "observed_attention", "snapkv", "lru", "restkv")
+POLICIES = [  # (name, parameters, positions), measured side by side
+    ("window", {}, "original"),
+    ("streaming_llm", {}, "original"),
+    ("streaming_llm", {}, "cache"),
+    ("knorm", {}, "original"),
+    ("keydiff", {}, "original"),
+    ("lagkv", {}, "original"),
+    ("expected_attention", {}, "original"),
+    ("h2o", {}, "original"),
+    ("tova", {}, "original"),
+    ("observed_attention", {}, "original"),
+    ("snapkv", {}, "original"),
+    ("lru", {}, "original"),
+    ("restkv", {}, "original"),
+    ("rmm", {"lag": 64}, "original"),
+    ("rmm", {"lag": 64}, "cache"),
+    ("rmm", {"lag": 64, "weight": "gradient"}, "original"),
+]
+# weight=gradient adds one backward pass per chunk: its cost against rmm(correct) (target <= 3x the time)
+GRADIENT, CORRECT = "rmm[gradient]/original", "rmm/original"
+
+
+WINDOW_AT_C = "window@C/original"
+
+
+def label(name: str, params: dict, positions: str) -> str:
+    """The engine run's name: policy[weight]/positions (the weight only when it is not the default)."""
+    weight = f"[{params['weight']}]" if "weight" in params else ""
+    return f"{name}{weight}/{positions}"
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+# the runs whose tokens/s the batch curve (--batches) shows against the batch size
+CURVE = [
+    ("window", {}, "original"),
+    ("streaming_llm", {}, "cache"),
+    ("h2o", {}, "original"),
+    ("rmm", {"lag": 64}, "original"),
+]
+
+
+def stream_docs(engine: StreamingEngine, docs: list[torch.Tensor]) -> None:
+    """Stream ``docs`` through ``engine``, ``engine.batch`` per pass, each with its own copy of the policy."""
+    for _ in engine.stream_many([StreamRequest(doc, copy.copy(engine.policy)) for doc in docs]):
+        pass
+
+
+def load_tokens(tokenizer, n: int) -> torch.Tensor:
+    """The first ``n`` tokens of the Shakespeare sample run as one stream (all plays concatenated)."""
+    data_cfg = OmegaConf.merge(
+        OmegaConf.load(CONF / "dataset/shakespeare.yaml"),
+        {"n_docs": None, "max_tokens": n, "stream": "concat"},
+    )
+    return load_documents(data_cfg, tokenizer)[0][0].tokens
+
+
+def stream_peak(n: int, budget: int, chunk: int) -> None:
+    """Child process: stream n tokens with ``window`` and print the peak memory as JSON."""
+    from rmm.metrics import PeakMemory
+
+    model, tokenizer = load_model(
+        OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+    )
+    tokens = load_tokens(tokenizer, n)
+    memory = PeakMemory(torch.device("cpu"))
+    engine = StreamingEngine(model, make_policy({"name": "window"}, budget=budget, chunk=chunk))
+    engine.stream(tokens, on_chunk=lambda streamed, nll: memory.sample())
+    print(json.dumps({"tokens": tokens.numel(), "peak": memory.bytes()}))
+
+
+def memory_check(lengths: list[int], budget: int, chunk: int) -> None:
+    """Peak memory of whole processes streaming different lengths: it must not grow with the stream."""
+    peaks = []
+    for n in lengths:
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--stream-peak",
+                str(n),
+                "--budget",
+                str(budget),
+                "--chunk",
+                str(chunk),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        peaks.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        mib = peaks[-1]["peak"] / 2**20
+        print(f"window B={budget}: {peaks[-1]['tokens']:6d} tokens -> peak RSS {mib:8.1f} MiB")
+    print(f"peak ratio longest/shortest stream: {peaks[-1]['peak'] / peaks[0]['peak']:.3f}")
+
+
+def chunk_sweep(model, tokens: torch.Tensor, chunks: list[int], budget: int) -> None:
+    """tokens/s against C for the engine (every policy at decision chunk C) and for plain forward passes
+    over C-token windows, side by side; position rules stream in max(C, 1024)-token passes whatever C."""
+    n = tokens.numel()
+    policies = [
+        ("window", {}, "original"),
+        ("streaming_llm", {}, "cache"),
+        ("h2o", {}, "original"),
+        ("rmm", {"lag": 64}, "original"),
+    ]
+    print(f"chunk sweep: B={budget} for every C, {n} tokens")
+    seconds, _ = timed(lambda: plain_forward(model, tokens, 2048))
+    forward_2048 = n / seconds
+    print(f"plain forward, 2048-token windows  {forward_2048:8.1f} tokens/s")
+    header = "".join(f"{f'{name}/{positions}':>22s}" for name, _, positions in policies)
+    print(
+        f"{'C':>5s}{header}{'forward(C)':>12s}   ratios to forward(C); position rules also to forward(2048)"
+    )
+    for chunk in chunks:
+        rates = []
+        for name, params, positions in policies:
+            policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
+            engine = StreamingEngine(model, policy, positions=positions)
+            engine.stream(tokens[: 2 * chunk + 1])  # warm-up
+            seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
+            rates.append((n - 1) / seconds)
+        seconds, _ = timed(lambda chunk=chunk: plain_forward(model, tokens, chunk))
+        forward = n / seconds
+        ratios = " ".join(f"{rate / forward:5.2f}x" for rate in rates)
+        to_2048 = " ".join(f"{rate / forward_2048:5.2f}x" for rate in rates[:2])
+        print(
+            f"{chunk:5d}"
+            + "".join(f"{rate:22.1f}" for rate in rates)
+            + f"{forward:12.1f}   {ratios} | {to_2048}"
+        )
+
+
+def profile(model, tokens: torch.Tensor, budget: int, chunk: int, top: int = 12) -> None:
+    """The operators that take the time of one stream under window and under streaming_llm with cache
+    positions (torch.profiler, self CPU time), printed side by side."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, positions in (("window", "original"), ("streaming_llm", "cache")):
+        engine = StreamingEngine(
+            model, make_policy({"name": name}, budget=budget, chunk=chunk), positions=positions
+        )
+        engine.stream(tokens[: 2 * budget + 1])  # warm-up
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
+        rate = (tokens.numel() - 1) / seconds
+        print(f"\n{name} positions={positions}: {rate:.1f} tokens/s under the profiler")
+        print(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
+        )
+
+
+def write_table(
+    args: argparse.Namespace,
+    n: int,
+    rates: dict[str, float],
+    attention: dict[str, tuple[bool, int]],
+    load_before: tuple,
+) -> Path:
+    """``<out>/speed_B<budget>_T<tokens>.md``: the machine, the command and every rate with its ratios; and
+    ``<out>/speed_points.json``: every engine run as a point for the time model (checks/plan.py)."""
+    import platform
+
+    import transformers
+
+    path = args.out / f"speed_B{args.budget}_T{n}.md"
+    forward, window_at_c = rates["forward"], rates[WINDOW_AT_C]
+    lines = [
+        f"# Speed: SmolLM2-135M fp32 on CPU, {n} tokens in {args.docs} documents, B={args.budget}, "
+        f"C={args.chunk}, batch {args.batch}",
+        "",
+        f"Command: `python checks/bench.py {' '.join(sys.argv[1:])}` (best of {args.repeats} "
+        "interleaved rounds, each running every engine and the plain forward passes once).",
+        f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), {args.threads} "
+        f"threads; load average {load_before[0]:.2f} before and {os.getloadavg()[0]:.2f} after the run "
+        "(1-minute).",
+        f"Versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}.",
+        "",
+        "| run | tokens/s | / plain forward | / window in C-token passes |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, rate in rates.items():
+        if "@b" not in key:
+            lines.append(f"| {key} | {rate:.1f} | {rate / forward:.2f} | {rate / window_at_c:.2f} |")
+    if args.batches:
+        batches = sorted(set(args.batches))
+        lines += [
+            "",
+            f"Batch curve: tokens/s (/ plain forward) against documents per forward pass, C={args.chunk}.",
+            "",
+            "| run | " + " | ".join(f"batch {b}" for b in batches) + " |",
+            "|---|" + "---:|" * len(batches),
+        ]
+        for name, params, positions in CURVE:
+            base = label(name, params, positions)
+            keys = [base if b == args.batch else f"{base}@b{b}" for b in batches]
+            if all(key in rates for key in keys):
+                cells = [f"{rates[key]:.1f} ({rates[key] / forward:.2f}x)" for key in keys]
+                lines.append(f"| {base} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "plain forward: forward passes over 2048-token windows (no memory bound); loop: the token-by-token",
+        "loop with physical eviction (StreamingLLM's evaluation method); window@C: window streamed in",
+        "C-token passes like the score-based policies.",
+    ]
+    points = [
+        {
+            "model": "smollm2_135m",
+            "policy": key.split("/")[0].split("[")[0],
+            "run": key,
+            "positions": key.split("/")[1].split("@")[0],
+            "budget": args.budget,
+            "chunk": args.chunk,
+            "batch": int(key.split("@b")[1]) if "@b" in key else args.batch,
+            "n_docs": args.docs,
+            "tokens_per_doc": n // args.docs,
+            "threads": args.threads,
+            "tokens_per_s": rate,
+            "records_attention": attention[key][0],
+            "pass_tokens": args.chunk if key == WINDOW_AT_C else attention[key][1],
+            "wall_s": n / rate,
+        }
+        for key, rate in rates.items()
+        if key not in ("forward", "loop")
+    ]
+    atomic_write_text(args.out / "speed_points.json", json.dumps(points, indent=1) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens in all documents together")
+    parser.add_argument("--docs", type=int, default=8, help="documents the tokens are split into")
+    parser.add_argument("--batch", type=int, default=4, help="documents per forward pass")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="*",
+        metavar="N",
+        help="also stream window, streaming_llm, h2o, rmm at batch N",
+    )
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of the engine runs")
+    parser.add_argument("--policies", help="comma-separated subset of the engine runs (window always runs)")
+    parser.add_argument("--only-engine", action="store_true", help="engine runs only (no forward, no loop)")
+    parser.add_argument(
+        "--loop-tokens",
+        type=int,
+        default=None,
+        help="tokens for the token-by-token loop (default: all); its rate is per token",
+    )
+    parser.add_argument(
+        "--memory",
+        type=int,
+        nargs="*",
+        metavar="N",
+        help="only compare the peak memory of whole processes streaming N tokens (e.g. 4096 32768)",
+    )
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        nargs="*",
+        metavar="C",
+        help="only sweep the chunk (e.g. 64 256 512): engine and plain forward at each C, B >= 2 max(C)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="only profile window and streaming_llm (cache): top operators"
+    )
+    parser.add_argument("--stream-peak", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help="also write the speed table as markdown into this folder")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    torch.set_num_threads(args.threads)
+    if args.stream_peak:
+        return stream_peak(args.stream_peak, args.budget, args.chunk)
+    if args.memory:
+        return memory_check(sorted(args.memory), args.budget, args.chunk)
+
+    model, tokenizer = load_model(
+        OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+    )
+    tokens = load_tokens(tokenizer, args.tokens)
+    if args.profile:
+        return profile(model, tokens, args.budget, args.chunk)
+    if args.chunks:
+        return chunk_sweep(model, tokens, args.chunks, max(args.budget, 2 * max(args.chunks)))
+    n = tokens.numel()
+    docs = list(tokens.split(-(-n // args.docs)))
+    print(
+        f"SmolLM2-135M fp32 on CPU, {args.threads} threads, {n} tokens in {len(docs)} documents, "
+        f"B={args.budget}, C={args.chunk}, batch {args.batch}"
+    )
+
+    engines = {}
+    chosen = set(args.policies.split(",")) | {"window"} if args.policies else None
+    runs = [(name, params, positions, args.batch) for name, params, positions in POLICIES]
+    runs += [(name, params, positions, b) for b in args.batches or [] for name, params, positions in CURVE]
+    for name, params, positions, batch in runs:
+        if chosen is not None and name not in chosen:
+            continue
+        key = label(name, params, positions) + ("" if batch == args.batch else f"@b{batch}")
+        if key in engines:
+            continue
+        policy = make_policy({"name": name, **params}, budget=args.budget, chunk=args.chunk)
+        engines[key] = engine = StreamingEngine(model, policy, positions=positions, batch=batch)
+        engine.stream(tokens[: 2 * args.chunk + 1])  # warm-up
+    # window again, streamed in passes of C tokens like the score-based policies (position rules normally
+    # take max(C, 1024)-token passes): the ratio to it isolates a policy's own cost from the pass size
+    engines[WINDOW_AT_C] = engines["window/original"]
+    best: dict[str, float] = {}
+    forward_s = float("inf")
+    for round_ in range(args.repeats):
+        for key, engine in engines.items():
+            passes = args.chunk if key == WINDOW_AT_C else recording.POSITION_RULE_CHUNK
+            with mock.patch.object(recording, "POSITION_RULE_CHUNK", passes):
+                seconds, _ = timed(lambda engine=engine: stream_docs(engine, docs))
+            best[key] = min(best.get(key, float("inf")), seconds)
+            print(f"  round {round_ + 1}: {key:28s} {(n - 1) / seconds:8.1f} tokens/s", flush=True)
+        if not args.only_engine:  # the ceiling, in the same rounds: plain forward passes, 2048-token windows
+            seconds, _ = timed(lambda: plain_forward(model, tokens, 2048))
+            forward_s = min(forward_s, seconds)
+            print(f"  round {round_ + 1}: {'plain forward':28s} {n / seconds:8.1f} tokens/s", flush=True)
+    rates = {key: n / seconds for key, seconds in best.items()}  # every token of every document streamed
+    for key, rate in rates.items():
+        name, positions = key.split("/")
+        print(f"engine {name:22s} positions={positions:12s} {rate:8.1f} tokens/s")
+    window, window_at_c = rates["window/original"], rates[WINDOW_AT_C]
+    print(
+        "\nscore-based policies / window (targets: attention-free >= 0.95x, attention-based >= 0.6x); "
+        f"/ window in {args.chunk}-token passes"
+    )
+    for key, rate in rates.items():
+        name = key.split("/")[0].split("[")[0]
+        if name in ATTENTION_FREE or name in ATTENTION_BASED:
+            family = "attention-free" if name in ATTENTION_FREE else "attention-based"
+            print(f"  {key:28s} {rate / window:5.2f}x   {rate / window_at_c:5.2f}x  ({family})")
+    if GRADIENT in rates and CORRECT in rates:
+        print(
+            f"\nrmm weight=gradient: {rates[CORRECT] / rates[GRADIENT]:.2f}x the time per token of "
+            "weight=correct (target <= 3x)"
+        )
+    if args.only_engine:
+        return
+
+    rates["forward"] = n / forward_s
+    print(f"plain forward, 2048-token windows          {rates['forward']:8.1f} tokens/s")
+
+    loop_tokens = tokens[: args.loop_tokens or n]
+    seconds, _ = timed(lambda: token_loop(model, loop_tokens, args.budget, sinks=4))
+    rates["loop"] = (loop_tokens.numel() - 1) / seconds
+    print(f"token-by-token loop (sinks 4, {loop_tokens.numel()} tokens)  {rates['loop']:8.1f} tokens/s")
+
+    print("\nratios (target: engine >= 15x loop, >= 0.8x forward)")
+    for key in ("window/original", "streaming_llm/original", "streaming_llm/cache"):
+        if key not in rates:  # left out by --policies
+            continue
+        print(
+            f"  {key:24s} / loop = {rates[key] / rates['loop']:6.1f}x   / forward = "
+            f"{rates[key] / rates['forward']:5.2f}x"
+        )
+    if args.out:
+        # per run: whether it records attention, and its tokens per forward pass per document
+        attention = {
+            key: (engine.plan.record_attention, engine.plan.chunk) for key, engine in engines.items()
+        }
+        write_table(args, n, rates, attention, load_before)
+
+
+if __name__ == "__main__":
+    main()

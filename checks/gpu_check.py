@@ -1,0 +1,389 @@
+"""One-call GPU check: correctness of the engine on the device, then speed and memory of a 7-8B shape.
+
+    python -m checks.gpu_check                     # on a CUDA machine: < 8 minutes on one H200
+    python -m checks.gpu_check --device cpu --small   # the same, end to end, in seconds (tests)
+
+Needs only torch, transformers, numpy, pandas and this package (no Hydra, W&B, datasets, GGUF or hub:
+every model is random-initialised). Prints one JSON summary and writes it to ``--out`` (rewritten after
+every section, so a run cut short keeps what it measured). Sections:
+
+- ``matrix``: the reference matrix (tiny random Llama, Qwen2, Mistral, GPT-NeoX; every policy; chunk 1
+  and 4; both position modes). The token-by-token reference (:mod:`rmm.reference`) runs on the CPU in
+  fp32; the engine runs on the device in fp32, where it must agree as on the CPU, and in bf16, where
+  NLL agreement and the fraction of identical retained sets are reported.
+- ``speed``: a random-init bf16 model with Llama-3.1-8B's architecture (``conf/model/llama3_1_8b.yaml``:
+  32 layers, GQA 32/8, head_dim 128, llama3 rope scaling) streaming 32k tokens at B=2048: tokens/s of
+  window, streaming_llm (cache positions), h2o and rmm; plain forward passes over 8k-token windows
+  (SDPA); a token-by-token eviction loop over 1k tokens; peak device memory at 8k and 32k tokens.
+- ``points``: what recalibrates the time model (checks/time_model.py) on the device, as speed points
+  (the format of results/bench/speed_points.json, for ``checks/plan.py --calibrate``): the same
+  model, h2o and rmm at B=256, C=64 at batch 1 and 4 (four 2048-token documents), window at batch 4,
+  and plain forward passes over 2048-token windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import itertools
+import json
+import platform
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import transformers
+import yaml
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from checks.yardsticks import plain_forward, token_loop
+from rmm.engine import StreamingEngine, StreamRequest
+from rmm.files import atomic_write_text
+from rmm.integration import cache_keyword
+from rmm.lookahead import record_future
+from rmm.matrix import (
+    ARCHITECTURES,
+    CASES,
+    case_id,
+    distinct_stream,
+    ranked_by_rounding,
+    ranks_keys,
+    runs_under,
+    sampled_stream,
+    set_recorder,
+    tiny_model,
+)
+from rmm.models import config_from_architecture
+from rmm.policies import make_policy
+from rmm.reference import ReferenceSpec, reference_stream
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEED_ARCHITECTURE = ROOT / "conf" / "model" / "llama3_1_8b.yaml"
+
+# ---- the reference matrix (rmm/matrix.py: the test suite's models and policy cases) -----------------
+MATRIX_BUDGET = 12
+MATRIX_TOKENS = 48
+SMALL_MATRIX_TOKENS = 24
+FP32_NLL_ATOL = 1e-4  # fp32 engine vs fp32 reference, per token (what the CPU test suite requires)
+
+
+def matrix_cases(archs: list[str], every_case: bool = True) -> list[tuple[str, str, dict, int, str]]:
+    """(arch, policy, params, chunk, positions) over chunk 1 and 4 and both position modes; without
+    ``every_case`` only each policy's first case."""
+    cases = [c for i, c in enumerate(CASES) if every_case or c[0] not in {n for n, _ in CASES[:i]}]
+    out = []
+    for arch, (name, params), chunk, positions in itertools.product(
+        archs, cases, [1, 4], ["original", "cache"]
+    ):
+        if name == "rmm" and params["lag"] >= MATRIX_BUDGET - chunk + 1:
+            continue
+        if not runs_under(name, params, positions) or ranked_by_rounding(arch, name, params):
+            continue
+        out.append((arch, name, params, chunk, positions))
+    return out
+
+
+def engine_run(model, tokens, name, params, chunk, positions) -> tuple[Any, dict[int, list]]:
+    """The engine's result and its retained sets R_now per boundary ([L][H] sorted position lists)."""
+    policy = make_policy({"name": name, **params}, budget=MATRIX_BUDGET, chunk=chunk)
+    policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=1024))
+    hook, sets = set_recorder()
+    result = StreamingEngine(model, policy, positions=positions).stream(tokens, on_boundary=hook)
+    return result, sets
+
+
+def compare(result, sets, ref_nll, ref_correct, ref_sets) -> dict[str, float]:
+    """Agreement of one engine run with the reference."""
+    pairs = [
+        (set(head), set(ref_sets[now][layer][h]))
+        for now, engine_set in sets.items()
+        for layer, heads in enumerate(engine_set)
+        for h, head in enumerate(heads)
+    ]
+    split = [now for now, engine_set in sets.items() if engine_set != ref_sets[now]]
+    first_split = min(split, default=ref_nll.numel() + 1)  # queries before it saw identical sets
+    diff = (result.nll - ref_nll).abs()
+    return {
+        "max_token_nll_diff": float(diff.max()),
+        "token_nll_diff_while_same": float(diff[:first_split].max()) if first_split else 0.0,
+        "mean_nll_diff": abs(result.nll.double().mean().item() - ref_nll.double().mean().item()),
+        "argmax_agreement": float((result.correct == ref_correct).float().mean()),
+        "same_sets": sum(a == b for a, b in pairs) / len(pairs) if pairs else 1.0,
+        "set_overlap": sum(len(a & b) / max(len(a | b), 1) for a, b in pairs) / len(pairs) if pairs else 1.0,
+    }
+
+
+def reference_matrix(
+    device: torch.device,
+    dtypes: list[torch.dtype],
+    cases: list[tuple[str, str, dict, int, str]],
+    n_tokens: int = MATRIX_TOKENS,
+) -> pd.DataFrame:
+    """One row per (case, dtype): the engine on ``device`` against the fp32 CPU reference."""
+    rows = []
+    models: dict[str, PreTrainedModel] = {}
+    streams: dict[str, torch.Tensor] = {}
+    engine_models: dict[tuple[str, torch.dtype], PreTrainedModel] = {}  # one per (arch, dtype), not per case
+    for arch, name, params, chunk, positions in cases:
+        if arch not in models:
+            models[arch] = tiny_model(arch)
+            streams[arch] = sampled_stream(models[arch], n_tokens)
+        reference_model, tokens = models[arch], streams[arch]
+        if ranks_keys(name):  # scores, not the tie rule, are compared (see distinct_stream)
+            tokens = distinct_stream(n_tokens)
+        spec = ReferenceSpec(policy=name, budget=MATRIX_BUDGET, chunk=chunk, positions=positions, **params)
+        ref_nll, ref_correct = reference_stream(reference_model, tokens, spec)
+        for dtype in dtypes:
+            if (arch, dtype) not in engine_models:
+                engine_models[arch, dtype] = tiny_model(arch).to(device=device, dtype=dtype)
+            model = engine_models[arch, dtype]
+            result, sets = engine_run(model, tokens.to(device), name, params, chunk, positions)
+            row = compare(result, sets, ref_nll, ref_correct, spec.retained_log)
+            case = case_id(name, params).rstrip("-")
+            rows.append({"arch": arch, "case": case, "policy": name, "chunk": chunk, "positions": positions})
+            rows[-1] |= {"dtype": str(dtype).removeprefix("torch."), **row}
+    return pd.DataFrame(rows)
+
+
+def summarize_matrix(frame: pd.DataFrame) -> dict[str, Any]:
+    """Per dtype: worst NLL agreement, identical retained sets overall and per policy."""
+    out = {}
+    for dtype, rows in frame.groupby("dtype"):
+        same = rows.groupby("policy")["same_sets"].mean()
+        summary = {
+            "runs": len(rows),
+            "max_token_nll_diff": float(rows["max_token_nll_diff"].max()),
+            "max_token_nll_diff_while_sets_identical": float(rows["token_nll_diff_while_same"].max()),
+            "max_mean_nll_diff": float(rows["mean_nll_diff"].max()),
+            "min_argmax_agreement": float(rows["argmax_agreement"].min()),
+            "identical_sets_frac": float(rows["same_sets"].mean()),
+            "identical_sets_frac_by_policy": {k: round(float(v), 4) for k, v in same.items()},
+            "min_set_overlap": float(rows["set_overlap"].min()),
+        }
+        if dtype == "float32":
+            bad = rows[(rows["max_token_nll_diff"] > FP32_NLL_ATOL) | (rows["same_sets"] < 1.0)]
+            summary["agrees"] = bad.empty
+            summary["nll_atol"] = FP32_NLL_ATOL
+            summary["disagreeing"] = [
+                f"{r.arch} {r.case} C={r.chunk} {r.positions}" for r in bad.itertuples()
+            ]
+        out[str(dtype)] = summary
+    return out
+
+
+# ---- speed and memory ------------------------------------------------------------------------------
+@functools.cache  # one model for the speed and points sections
+def speed_model(device: torch.device, small: bool) -> PreTrainedModel:
+    """Llama-3.1-8B's architecture, random-initialised in bf16 on ``device`` (``small``: 2 narrow layers)."""
+    arch = yaml.safe_load(SPEED_ARCHITECTURE.read_text())["architecture"]
+    overrides = (
+        dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024)
+        | dict(num_attention_heads=8, num_key_value_heads=2)
+        if small
+        else {}
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config_from_architecture(arch, **overrides), dtype=torch.bfloat16
+        )
+    return model.eval().requires_grad_(False)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    """Peak allocated device memory since the last reset (None on the CPU: not measured here)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+SPEED_POLICIES = [  # rmm's lag is B / 32 (64 at B = 2048)
+    ("window", {}, "original"),
+    ("streaming_llm", {}, "cache"),
+    ("h2o", {}, "original"),
+    ("rmm", {}, "original"),
+]
+
+
+def speed(device: torch.device, small: bool, chunk: int) -> dict[str, Any]:
+    """tokens/s and peak memory of the engine, plain forward passes and a token loop."""
+    n, short, budget, window, loop = (512, 128, 64, 128, 64) if small else (32768, 8192, 2048, 8192, 1024)
+    chunk = min(chunk, budget // 4)  # room for rmm's lag at the small sizes
+    model = speed_model(device, small)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(model.config.vocab_size, (n,), generator=generator).to(device)
+    out: dict[str, Any] = {
+        "model": "llama3_1_8b architecture, random init" + (" (small: 2 narrow layers)" if small else ""),
+        "dtype": "bfloat16",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens": n,
+        "budget": budget,
+        "chunk": chunk,
+        "tokens_per_s": {},
+        "peak_memory_bytes": {str(short): {}, str(n): {}},
+    }
+    for name, params, positions in SPEED_POLICIES:
+        key = f"{name}/{positions}"
+        params = {"lag": budget // 32} if name == "rmm" else params
+        policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
+        engine = StreamingEngine(model, policy, positions=positions)
+        engine.stream(tokens[: 2 * chunk + 1])  # warm-up
+        for length in (short, n):
+            peak_reset(device)
+            seconds = timed(device, lambda engine=engine, length=length: engine.stream(tokens[:length]))
+            out["peak_memory_bytes"][str(length)][key] = peak_bytes(device)
+            if length == n:
+                out["tokens_per_s"][key] = (n - 1) / seconds
+    plain_forward(model, tokens[:window], window)  # warm-up
+    peak_reset(device)
+    out["tokens_per_s"][f"plain_forward_{window}"] = n / timed(
+        device, lambda: plain_forward(model, tokens, window)
+    )
+    out["peak_memory_bytes"][str(n)][f"plain_forward_{window}"] = peak_bytes(device)
+    token_loop(model, tokens[:8], budget)  # warm-up
+    seconds = timed(device, lambda: token_loop(model, tokens[:loop], budget))
+    out["tokens_per_s"][f"token_loop_{loop}"] = (loop - 1) / seconds
+    rates = out["tokens_per_s"]
+    out["ratios"] = {
+        f"{key} / plain_forward": rates[key] / rates[f"plain_forward_{window}"] for key in rates if "/" in key
+    } | {f"{key} / token_loop": rates[key] / rates[f"token_loop_{loop}"] for key in rates if "/" in key}
+    return out
+
+
+# ---- speed points for the time model ---------------------------------------------------------------
+POINT_POLICIES = [  # (name, parameters, positions, batch): B=256, C=64; rmm's lag is the config default
+    ("h2o", {}, "original", 1),
+    ("h2o", {}, "original", 4),
+    ("rmm", {"lag": 32}, "original", 1),
+    ("rmm", {"lag": 32}, "original", 4),
+    ("window", {}, "original", 4),
+]
+
+
+def speed_points(device: torch.device, small: bool) -> dict[str, Any]:
+    """Speed points (results/bench/speed_points.json's format, plus ``device`` and ``dtype``) of the speed
+    section's model: each engine configuration streams four documents side by side ``batch`` at a time,
+    timed after a warm-up; plain forward passes over ``window``-token windows of one longer stream."""
+    n_docs, n, budget, chunk, window = (4, 256, 64, 16, 128) if small else (4, 2048, 256, 64, 2048)
+    model = speed_model(device, small)
+    generator = torch.Generator().manual_seed(1)
+    docs = torch.randint(model.config.vocab_size, (n_docs, n), generator=generator).to(device)
+    common = {
+        # small: 2 narrow layers, no shipped config: checks/plan.py --calibrate skips these points
+        "model": "llama3_1_8b" + ("_small_test" if small else ""),
+        "threads": torch.get_num_threads(),
+        "device": device.type,
+        "dtype": "bfloat16",
+    }
+    points = []
+    for name, params, positions, batch in POINT_POLICIES:
+        policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
+        engine = StreamingEngine(model, policy, positions=positions, batch=batch)
+        warm = [StreamRequest(docs[i, : 2 * chunk + 1], copy.copy(policy)) for i in range(batch)]
+        for _ in engine.stream_many(warm):
+            pass
+        requests = [StreamRequest(docs[i], copy.copy(policy)) for i in range(n_docs)]
+        seconds = timed(device, lambda engine=engine, requests=requests: list(engine.stream_many(requests)))
+        points.append(
+            common
+            | {"policy": name, "positions": positions, "budget": budget, "chunk": chunk, "batch": batch}
+            | {"n_docs": n_docs, "tokens_per_doc": n, "records_attention": engine.plan.record_attention}
+            | {"wall_s": seconds, "tokens_per_s": n_docs * n / seconds}
+        )
+    stream = docs.reshape(-1)
+    plain_forward(model, stream[:window], window)  # warm-up
+    seconds = timed(device, lambda: plain_forward(model, stream, window))
+    points.append(
+        common
+        | {"policy": "plain_forward", "positions": "original", "budget": None, "chunk": window, "batch": 1}
+        | {"n_docs": 1, "tokens_per_doc": stream.numel(), "records_attention": False}
+        | {"wall_s": seconds, "tokens_per_s": stream.numel() / seconds}
+    )
+    return {"speed_points": points}
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict[str, Any]:
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": np.__version__,
+        "pandas": pd.__version__,
+        "cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+        # rmm/reference.py passes its cache as `cache=`; older transformers name it `past_key_values`
+        "forward_cache_keyword": cache_keyword(tiny_model("llama")),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    parser.add_argument("--small", action="store_true", help="tiny sizes: the whole check in seconds")
+    parser.add_argument(
+        "--sections", default="matrix,speed,points", help="comma-separated: matrix, speed, points"
+    )
+    parser.add_argument("--chunk", type=int, default=64, help="the engine's C in the speed section (64)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu" / "gpu_check.json")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("CUDA is not available here: run with --device cpu (add --small for a quick check)")
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if unknown := set(sections) - {"matrix", "speed", "points"}:
+        raise SystemExit(f"unknown sections {sorted(unknown)}: use matrix, speed and/or points")
+    started = time.perf_counter()
+    summary: dict[str, Any] = {"environment": environment(device), "small": args.small, "sections": {}}
+    for section in sections:
+        start = time.perf_counter()
+        try:
+            if section == "matrix":
+                n_tokens = SMALL_MATRIX_TOKENS if args.small else MATRIX_TOKENS
+                cases = matrix_cases(["llama"] if args.small else list(ARCHITECTURES), not args.small)
+                frame = reference_matrix(device, [torch.float32, torch.bfloat16], cases, n_tokens)
+                result = summarize_matrix(frame)
+            elif section == "speed":
+                result = speed(device, args.small, args.chunk)
+            else:
+                result = speed_points(device, args.small)
+        except Exception as err:  # keep the other sections' results: the GPU window is short
+            result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        result["wall_s"] = time.perf_counter() - start
+        summary["sections"][section] = result
+        summary["wall_s"] = time.perf_counter() - started
+        atomic_write_text(args.out, json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,0 @@
-"""Experiment scripts: benchmark, collection of run directories, figures (runnable as scripts)."""
