@@ -37,38 +37,55 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 
-@dataclass
 class ReferenceSpec:
-    """The policy, spelled out. ``budget`` None means unbounded; ``context`` is the oracle's window."""
+    """The policy, spelled out: the settings every policy has, then the policy's own parameters, which its
+    rule declares with their defaults (``Rule.params``) and the rules read as attributes (``spec.rho``).
+    ``budget`` None means unbounded; ``tau`` is the attention a key needs for a query to count as a use
+    (lru's and the oracle's records); ``context`` is the oracle's reference window. A parameter the policy
+    does not declare is refused when the spec is built, and reading one is an AttributeError."""
 
-    policy: str
-    budget: int | None = None
-    chunk: int = 1
-    positions: str = "original"
-    scope: str = "head"
-    allocation: str = "uniform"  # uniform | adaptive | pyramid: the budget across heads and layers
-    layers: str = "all"  # all | global: the policy in global layers only (windowed layers keep their window)
-    sinks: int = 4
-    rho: float = 0.5
-    lag: int = 0
-    weight: str = "correct"
-    after_commit: str = "accumulate"
-    variant: str = "next_use"  # oracle's; knorm, keydiff, lagkv, snapkv, tova, observed_attention: "kvpress"
-    tau: float = 0.02
-    seed: int = 0
-    context: int | None = None
-    window: int = 32
-    kernel: int = 5
-    pooling: str = "avg"
-    partition: int = 32
-    beta: float = 0.8  # restkv: the EMA factor over the chunk's queries
-    n_future_positions: int = 512  # expected_attention: F, and its switches
-    use_covariance: bool = True
-    use_vnorm: bool = True
-    epsilon: float = 0.0
-    gradient_loss: str = "chunk"  # rmm weight=gradient: the chunk's summed NLL, or each query's own ("query")
-    retained_log: list = field(default_factory=list)  # R_t per query t: [L][H] sorted position lists
-    attention_log: list = field(default_factory=list)  # per query t: [L][H] {key position: attention}
+    def __init__(
+        self,
+        policy: str,
+        budget: int | None = None,
+        chunk: int = 1,
+        positions: str = "original",
+        scope: str = "head",
+        allocation: str = "uniform",  # uniform | adaptive | pyramid: the budget across heads and layers
+        layers: str = "all",  # all | global: the policy in global layers only (windowed layers keep theirs)
+        tau: float = 0.02,
+        context: int | None = None,
+        **params: object,
+    ) -> None:
+        if policy not in RULES:
+            raise ValueError(f"no reference rule for policy {policy!r}; rules: {sorted(RULES)}")
+        declared = RULES[policy].params
+        unknown = sorted(set(params) - set(declared))
+        if unknown:
+            raise TypeError(
+                f"{policy} has no reference parameter {unknown}; its parameters: {sorted(declared)}"
+            )
+        self.policy, self.budget, self.chunk, self.positions = policy, budget, chunk, positions
+        self.scope, self.allocation, self.layers, self.tau, self.context = (
+            scope,
+            allocation,
+            layers,
+            tau,
+            context,
+        )
+        self.params = {**declared, **params}
+        self.retained_log: list = []  # R_t per query t: [L][H] sorted position lists
+        self.attention_log: list = []  # per query t: [L][H] {key position: attention}
+
+    def __getattr__(self, name: str) -> object:  # only for names that are not attributes: the parameters
+        params = self.__dict__.get("params", {})
+        if name in params:
+            return params[name]
+        raise AttributeError(f"{self.__dict__.get('policy')} has no reference parameter {name!r}")
+
+    def __repr__(self) -> str:
+        common = ", ".join(f"{k}={getattr(self, k)!r}" for k in ("budget", "chunk", "positions", "scope"))
+        return f"ReferenceSpec({self.policy!r}, {common}, {self.params})"
 
 
 # ---- model facts and RoPE, from the config ------------------------------------------------------
@@ -1086,6 +1103,7 @@ class Rule:
     reduce : how the scores of heads or layers that share one set combine.
     reads_keys : the rule reads keys rotated back (the RoPE frequencies are needed).
     reads_future : the rule reads the reference pass (the oracle).
+    params : the policy's own parameters and their defaults (read as ``spec.<name>``).
     """
 
     visible: Callable[[ReferenceSpec, int, int], bool] | None = None
@@ -1095,26 +1113,57 @@ class Rule:
     reduce: Callable[[ReferenceSpec, list[float]], float] = _fsum
     reads_keys: bool = False
     reads_future: bool = False
+    params: dict[str, object] = field(default_factory=dict)
 
 
 RULES: dict[str, Rule] = {
     "full": Rule(visible=_visible_full),
     "window": Rule(visible=_visible_window),
-    "streaming_llm": Rule(visible=_visible_streaming_llm),
-    "h2o": Rule(score=_h2o, protected=_rho_window),
-    "rmm": Rule(score=_rmm, observe=_rmm_observe, protected=lambda spec, capacity: spec.lag),
-    "tova": Rule(score=_tova),
-    "random": Rule(score=_random, protected=_rho_window),
-    "oracle": Rule(score=_oracle, reduce=_oracle_reduce, reads_future=True),
-    "observed_attention": Rule(score=_observed_attention, protected=_rho_window),
-    "snapkv": Rule(score=_snapkv, protected=lambda spec, capacity: spec.window),
-    "knorm": Rule(score=_knorm, reads_keys=True),
-    "keydiff": Rule(score=_keydiff, reads_keys=True),
+    "streaming_llm": Rule(visible=_visible_streaming_llm, params={"sinks": 4}),
+    "h2o": Rule(score=_h2o, protected=_rho_window, params={"rho": 0.5}),
+    "rmm": Rule(
+        score=_rmm,
+        observe=_rmm_observe,
+        protected=lambda spec, capacity: spec.lag,
+        params={"lag": 0, "weight": "correct", "after_commit": "accumulate", "gradient_loss": "chunk"},
+    ),
+    "tova": Rule(score=_tova, params={"variant": "harness"}),
+    "random": Rule(score=_random, protected=_rho_window, params={"rho": 0.5, "seed": 0}),
+    "oracle": Rule(
+        score=_oracle,
+        reduce=_oracle_reduce,
+        reads_future=True,
+        params={"variant": "next_use", "weight": "correct"},
+    ),
+    "observed_attention": Rule(
+        score=_observed_attention, protected=_rho_window, params={"rho": 0.5, "variant": "harness"}
+    ),
+    "snapkv": Rule(
+        score=_snapkv,
+        protected=lambda spec, capacity: spec.window,
+        params={"window": 32, "kernel": 5, "pooling": "avg", "variant": "harness"},
+    ),
+    "knorm": Rule(score=_knorm, reads_keys=True, params={"variant": "harness"}),
+    "keydiff": Rule(score=_keydiff, reads_keys=True, params={"variant": "harness"}),
     "lru": Rule(score=_lru, reduce=_latest),
-    "lagkv": Rule(score=_lagkv, protected=lambda spec, capacity: 2 * spec.partition - 1, reads_keys=True),
-    "restkv": Rule(score=_restkv),
+    "lagkv": Rule(
+        score=_lagkv,
+        protected=lambda spec, capacity: 2 * spec.partition - 1,
+        reads_keys=True,
+        params={"partition": 32, "sinks": 4, "variant": "harness"},
+    ),
+    "restkv": Rule(score=_restkv, params={"beta": 0.8, "kernel": 5}),
     "expected_attention": Rule(
-        score=_expected_attention, observe=_expected_attention_observe, reads_keys=True
+        score=_expected_attention,
+        observe=_expected_attention_observe,
+        reads_keys=True,
+        params={
+            "n_future_positions": 512,
+            "use_covariance": True,
+            "use_vnorm": True,
+            "epsilon": 0.0,
+            "sinks": 4,
+        },
     ),
 }
 POSITION_RULES = tuple(name for name, rule in RULES.items() if rule.visible is not None)
