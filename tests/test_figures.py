@@ -330,15 +330,25 @@ def test_notebook_writes_outside_the_repository_unless_asked(monkeypatch: pytest
 
 
 def test_one_policy_table_covers_every_policy_and_weight() -> None:
-    """Every registered policy has its place, colour and label in the one table; every weight a colour;
-    no two policies (and no two weights) share a colour."""
+    """Every registered policy gets a colour of its own (from the table, or a spare one by its name) and a
+    label; the table names no policy that is not registered; every weight has a colour; no two policies
+    (and no two weights) share a colour."""
     from matplotlib import colors as mcolors
 
-    from rmm.analysis.policy_table import POLICY_TABLE, WEIGHT_COLORS
+    from rmm.analysis.policy_table import (
+        POLICY_TABLE,
+        SPARE_COLORS,
+        WEIGHT_COLORS,
+        policy_color,
+        policy_label,
+    )
     from rmm.policies import POLICIES, oracle, rmm
 
-    assert set(POLICY_TABLE) == set(POLICIES)
+    assert set(POLICY_TABLE) <= set(POLICIES)
     assert set(WEIGHT_COLORS) == set(rmm.WEIGHTS) | set(oracle.WEIGHTS)
-    policy_rgb = [mcolors.to_rgb(style.color) for style in POLICY_TABLE.values()]
+    policy_rgb = [mcolors.to_rgb(policy_color(name)) for name in POLICIES]
     assert len(set(policy_rgb)) == len(policy_rgb)
+    tabled = {mcolors.to_rgb(style.color) for style in POLICY_TABLE.values()}
+    assert not tabled & {mcolors.to_rgb(c) for c in SPARE_COLORS}
+    assert policy_label("a_new_policy") == "a_new_policy" and policy_color("a_new_policy") in SPARE_COLORS
     assert len({mcolors.to_rgb(c) for c in WEIGHT_COLORS.values()}) == len(WEIGHT_COLORS)

@@ -1,14 +1,17 @@
 """One table for every figure and results table: the order policies appear in, their colour, their label.
 
-``POLICY_TABLE`` lists every registered policy (a test checks it against the registry): its order is
-the order of tables and legends, the paper's order (position rules, then scores that read keys, then
-scores that read attention, then rmm and the oracle). ``WEIGHT_COLORS`` gives each of rmm's weights
-(``policy.weight``, which the smoother shares) its own colour for figures that draw one line per weight.
+``POLICY_TABLE`` lists the shipped policies: its order is the order of tables and legends, the paper's
+order (position rules, then scores that read keys, then scores that read attention, then rmm and the
+oracle). A policy registered without an entry is defaulted: it comes last, labelled by its name, in a
+colour of ``SPARE_COLORS`` chosen by its name, so that it never shares one with a tabled policy.
+``WEIGHT_COLORS`` gives each of rmm's weights (``policy.weight``, which the smoother shares) its own
+colour for figures that draw one line per weight.
 Labels are the config names, so that a reader can type what a legend shows.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import NamedTuple
 
 
@@ -36,7 +39,7 @@ POLICY_TABLE: dict[str, PolicyStyle] = {
     "oracle": PolicyStyle("oracle", "tab:green"),
 }
 WEIGHT_COLORS = {"correct": "tab:red", "prob": "darkmagenta", "uniform": "dimgray", "gradient": "saddlebrown"}
-UNKNOWN_COLOR = "darkkhaki"  # a policy registered after this table was written
+SPARE_COLORS = ("darkkhaki", "navy", "olivedrab", "deeppink", "peru", "lightseagreen", "indigo", "crimson")
 
 
 def policy_sort_key(policy: str) -> tuple[int, str]:
@@ -47,7 +50,7 @@ def policy_sort_key(policy: str) -> tuple[int, str]:
 
 def policy_color(policy: str) -> str:
     style = POLICY_TABLE.get(policy)
-    return style.color if style else UNKNOWN_COLOR
+    return style.color if style else SPARE_COLORS[zlib.crc32(policy.encode()) % len(SPARE_COLORS)]
 
 
 def policy_label(policy: str) -> str:
