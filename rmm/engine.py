@@ -103,7 +103,7 @@ class StreamingEngine:
                 self.floor = adaptive_floor(policy.capacity)
         self.device = next(model.parameters()).device
         if self.plan.exempt and self.capacity is not None:  # a windowed layer keeps all its window shows
-            per_layer = torch.tensor([self.plan.capacity if e else policy.capacity for e in self.plan.exempt])
+            per_layer = torch.tensor([self.plan.retained if e else policy.capacity for e in self.plan.exempt])
             self.capacity = per_layer[:, None].expand(self.shape[:2]).clone()
         if isinstance(self.capacity, torch.Tensor):
             self.capacity = self.capacity.to(self.device)

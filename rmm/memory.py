@@ -2,22 +2,33 @@
 
 Layout along the slot axis: ``[0, R)`` retained entries, kept sorted by original position with empty
 slots (position -1) last, then ``[R, R + Q)`` the chunk being processed. Its size never depends on the
-stream length. Positions:
+stream length. R is the slots that hold the retained entries; ``capacity`` elsewhere is what one
+(layer, KV head) may keep (B', or c_{l,h} under an allocation), never R.
 
-- ``original``: keys are stored as the model rotated them, at their original positions.
-- ``cache`` (StreamingLLM's re-indexing): retained keys are numbered by rank and queries continue
-  after them. Score-based policies keep a boundary's set fixed for the whole chunk, so ranks are the
-  same for every query: keys are stored unrotated and rotated to their rank at use. Position rules
-  change the set per query; there the relative distance of every non-sink key equals its original
-  distance, and only the sinks need the query re-rotated to its rank min(t, B), which is done exactly
-  per query (see :mod:`rmm.integration`).
+How a slot holds its key is one of three cases (:class:`KeyStorage`, chosen from the plan), plus two
+rotations that apply in any case. Queries continue at ``model_pos``: their original positions, or under
+``cache`` positions the ranks after the retained entries.
+
+- ``ROTATED`` (original positions): a slot holds the key as the model rotated it at t; attended as stored.
+- ``ROTATED_AND_RAW`` (original positions, a policy reads keys): that, plus an unrotated copy; at
+  ``begin_chunk`` the table to -t, at ``attend_keys_values`` the chunk's keys rotated back into the copy.
+- ``UNROTATED`` (cache positions, score-based): the key rotated back to position 0; at ``begin_chunk``
+  the table to -model_pos and the rank tables (per head when heads hold different counts); at
+  ``attend_keys_values`` the chunk's keys rotated back and stored, the retained ones rotated to rank.
+- sinks (cache positions, a position rule with sinks; keys as ``ROTATED``): at ``begin_chunk`` the
+  query's table to rank min(t, B); the attention function re-rotates the query for the sink slots
+  (:mod:`rmm.integration`).
+- queries (a policy reads queries): the chunk's queries [L, H, G, C, D], rotated back by -model_pos.
+
+Why ``UNROTATED`` for cache positions: score-based policies keep a boundary's set fixed for the whole
+chunk, so ranks are the same for every query. Position rules change the set per query; there the
+relative distance of every non-sink key equals its original distance, and only the sinks need the query
+re-rotated to its rank, which is done exactly per query.
 
 The memory never sees a policy: which buffers exist is said by its :class:`~rmm.recording.RecordingPlan`,
 and what it keeps at a boundary by the keep mask handed to :meth:`SlotMemory.compact`. What a policy
 observes after a chunk (:meth:`SlotMemory.observed`) is read from these slots; keys and queries are
-handed over unrotated in both position modes. With ``original`` positions a policy that reads keys
-makes the memory keep a second, unrotated copy of them, rotated back once as they arrive (``cache``
-already stores keys unrotated).
+handed over unrotated in every case.
 
 A policy that needs ``gradient`` turns on gradient tracking: the chunk's forward pass runs with autograd
 (only that pass), the chunk's own keys and values keep their graph inside the pass so that the loss of a
@@ -29,6 +40,7 @@ always hold detached tensors, so no graph outlives the chunk.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 
 import torch
 
@@ -37,6 +49,20 @@ from rmm.rotary import Rotary, Table
 
 # a layer's own window: (query_pos [Q], key_pos [..., S]) -> bool [..., Q, S], hashable (one per layer type)
 LayerWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class KeyStorage(Enum):
+    """How a slot holds its key (the table in the module docstring)."""
+
+    ROTATED = "rotated"  # as the model rotated it, at its original position
+    ROTATED_AND_RAW = "rotated and raw"  # that, plus an unrotated copy for a policy that reads keys
+    UNROTATED = "unrotated"  # rotated back to position 0, rotated to its rank at use (cache positions)
+
+    @classmethod
+    def of(cls, plan: RecordingPlan) -> KeyStorage:
+        if plan.store_unrotated:
+            return cls.UNROTATED
+        return cls.ROTATED_AND_RAW if plan.raw_keys else cls.ROTATED
 
 
 class SlotMemory:
@@ -65,15 +91,15 @@ class SlotMemory:
         slots = retained + chunk
         self.plan, self.retained, self.chunk = plan, retained, chunk
         self.rotary = rotary
-        self.store_unrotated = plan.store_unrotated
+        self.storage = storage = KeyStorage.of(plan)
         self.record_attention = record_attention = plan.record_attention
         self.track_gradient = plan.track_gradient
         if self.track_gradient and not record_attention:
             raise ValueError("gradient tracking needs attention probabilities: record_attention must be set")
         self.keys = torch.zeros(n_layers, n_heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        # original positions and a policy that reads keys: a second, unrotated copy, filled as keys arrive
-        self.raw_keys = torch.zeros_like(self.keys) if plan.raw_keys else None
+        # ROTATED_AND_RAW: a second, unrotated copy, filled as keys arrive
+        self.raw_keys = torch.zeros_like(self.keys) if storage is KeyStorage.ROTATED_AND_RAW else None
         self.key_pos = torch.full((n_layers, n_heads, slots), -1, dtype=torch.long, device=device)
         self.state = {name: torch.zeros(n_layers, n_heads, slots, device=device) for name in plan.state_names}
         self.attn = torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None
@@ -86,7 +112,7 @@ class SlotMemory:
         self._query_table: Table | None = None
         self.n_sink_slots = plan.n_sink_slots
         self._rank_table = (
-            rotary.table(torch.arange(retained, device=device)) if self.store_unrotated else None
+            rotary.table(torch.arange(retained, device=device)) if storage is KeyStorage.UNROTATED else None
         )
         self._unrotate_table: Table | None = None
         # cache positions, heads holding different numbers of entries: per-head rank tables [L, H, R, .]
@@ -143,19 +169,18 @@ class SlotMemory:
             if bool((delta != 0).any()):
                 self._sink_table = self.rotary.table(delta)
                 self._other_bias = self._other_slots_bias(self._allowed)
-        if self.store_unrotated:
+        self.model_pos = query_pos
+        self._unrotate_table, self._layer_ranks = None, None
+        if self.storage is KeyStorage.ROTATED_AND_RAW:
+            self._unrotate_table = self.rotary.table(-query_pos)
+        elif self.storage is KeyStorage.UNROTATED:
             counts = (self.key_pos[:, :, : self.retained] >= 0).sum(dim=-1)  # [L, H]
             n_kept = int(counts.max())
             self.model_pos = n_kept + torch.arange(n_q, device=query_pos.device)
             self._unrotate_table = self.rotary.table(-self.model_pos)
-            self._layer_ranks = None
             if bool((counts != n_kept).any()):  # a head holding fewer entries: ranks end at n_kept - 1
                 offset = (n_kept - counts)[..., None] + torch.arange(self.retained, device=counts.device)
                 self._layer_ranks = self.rotary.table(offset)  # [L, H, R, rot_dim / 2] per rotation
-        else:
-            self.model_pos = query_pos
-            if self.raw_keys is not None:
-                self._unrotate_table = self.rotary.table(-query_pos)
         if self.record_queries:
             self._query_table = self.rotary.table(-self.model_pos)
         return self.model_pos
@@ -167,25 +192,25 @@ class SlotMemory:
         graph_key, graph_value = key, value
         key, value = key.detach(), value.detach()  # slots never hold a graph
         self.values[layer, :, self.retained : end] = value
-        if not self.store_unrotated:
-            self.keys[layer, :, self.retained : end] = key
-            if self.raw_keys is not None:
-                self.raw_keys[layer, :, self.retained : end] = self.rotary.apply(
-                    key, self._unrotate_table, layer
-                )
-            kept = self.keys[layer, :, : self.retained]
-        else:
+        if self.storage is KeyStorage.UNROTATED:
             self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table, layer)
             ranks = self._rank_table
             if self._layer_ranks is not None:
                 ranks = {key: (cos[layer], sin[layer]) for key, (cos, sin) in self._layer_ranks.items()}
             kept = self.rotary.apply(self.keys[layer, :, : self.retained], ranks, layer)
+        else:
+            self.keys[layer, :, self.retained : end] = key
+            if self.storage is KeyStorage.ROTATED_AND_RAW:
+                self.raw_keys[layer, :, self.retained : end] = self.rotary.apply(
+                    key, self._unrotate_table, layer
+                )
+            kept = self.keys[layer, :, : self.retained]
         if self.track_gradient:  # the chunk's own keys and values keep the pass's graph
             chunk_values = torch.cat([self.values[layer, :, : self.retained], graph_value], dim=1)
             return torch.cat([kept, graph_key], dim=1), chunk_values
-        if not self.store_unrotated:
-            return self.keys[layer, :, :end], self.values[layer, :, :end]
-        return torch.cat([kept, key], dim=1), self.values[layer, :, :end]
+        if self.storage is KeyStorage.UNROTATED:
+            return torch.cat([kept, key], dim=1), self.values[layer, :, :end]
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
 
     def enter_layer(self, layer: int, visible: LayerWindow | None) -> None:
         """Called by the attention function once per layer and pass: counts the call and applies the

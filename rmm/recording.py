@@ -31,9 +31,10 @@ class RecordingPlan:
     """What one stream records.
 
     rule : the position rule, applied per query; None for a score-based policy (it ranks at boundaries).
-    capacity : R, slots kept across boundaries: B' under uniform allocation, the largest per-head
-        capacity otherwise (:func:`rmm.policies.select.retained_slots`); None when unbounded (R is
-        then the stream length).
+    retained : R, slots kept across boundaries: B' under uniform allocation, the largest per-head
+        capacity otherwise (:func:`rmm.policies.select.retained_slots`), or the widest window of an
+        exempt layer; None when unbounded (R is then the stream length). ``capacity`` always means what
+        a (layer, KV head) may keep (B', or c_{l,h} under an allocation); R is the slots that hold it.
     decision_chunk : C, tokens between two boundaries.
     record_attention : attention probabilities [L, H, C, S] are computed and kept (the eager path).
     record_queries : the chunk's unrotated queries [L, H, G, C, D] are kept.
@@ -51,7 +52,7 @@ class RecordingPlan:
     """
 
     rule: AllowedFn | None
-    capacity: int | None
+    retained: int | None
     decision_chunk: int
     record_attention: bool
     record_queries: bool
@@ -73,7 +74,7 @@ class RecordingPlan:
 
     def slots(self, n_tokens: int) -> tuple[int, int]:
         """(R, Q): retained and chunk slots of the memory for an ``n_tokens`` stream."""
-        retained = n_tokens if self.capacity is None else self.capacity
+        retained = n_tokens if self.retained is None else self.retained
         return retained, min(self.chunk, n_tokens)
 
     def exempting(self, windows: list[int | None]) -> RecordingPlan:
@@ -84,8 +85,8 @@ class RecordingPlan:
         if not any(exempt):
             return self
         widest = max(w for w in windows if w is not None)
-        capacity = None if self.capacity is None else max(self.capacity, widest)
-        return replace(self, exempt=exempt, capacity=capacity)
+        retained = None if self.retained is None else max(self.retained, widest)
+        return replace(self, exempt=exempt, retained=retained)
 
     def observed(self) -> RecordingPlan:
         """The plan with attention recorded for an observer of every chunk."""
@@ -99,11 +100,11 @@ def recording_plan(
     ``allocation`` over ``shape`` = (n_layers, n_kv_heads) (needed unless ``allocation`` is uniform)."""
     if positions not in POSITIONS:
         raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-    capacity = None if policy.budget is None else policy.capacity
+    retained = None if policy.budget is None else policy.capacity
     if isinstance(policy, PositionRule):
         return RecordingPlan(
             rule=policy.allowed,
-            capacity=capacity,
+            retained=retained,
             decision_chunk=policy.chunk,
             record_attention=False,
             record_queries=False,
@@ -116,16 +117,16 @@ def recording_plan(
         )
     if not isinstance(policy, ScorePolicy):
         raise TypeError(f"{type(policy).__name__} must derive from PositionRule or ScorePolicy")
-    if capacity is not None and allocation != "uniform":
+    if retained is not None and allocation != "uniform":
         if shape is None:
             raise ValueError(f"allocation={allocation} needs the model's (n_layers, n_kv_heads)")
-        capacity = retained_slots(allocation, capacity, policy.protected, *shape)
+        retained = retained_slots(allocation, retained, policy.protected, *shape)
     needs = policy.needs
     check_positions(policy, positions)
     store_unrotated = positions == "cache"
     return RecordingPlan(
         rule=None,
-        capacity=capacity,
+        retained=retained,
         decision_chunk=policy.chunk,
         # the gradient utility is built from the attention probabilities
         record_attention=bool({"attention", "gradient"} & needs),

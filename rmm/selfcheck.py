@@ -132,10 +132,10 @@ def moves_positions(plan: RecordingPlan) -> bool:
 
 
 def _unlimited(plan: RecordingPlan, chunk: int, **changes) -> RecordingPlan:
-    """``plan`` with every entry kept: no capacity, no position rule, no sinks, no gradient."""
+    """``plan`` with every entry kept: no bound on R, no position rule, no sinks, no gradient."""
     rule = None if plan.rule is None else _everything
     return replace(
-        plan, rule=rule, capacity=None, n_sink_slots=0, track_gradient=False, decision_chunk=chunk, **changes
+        plan, rule=rule, retained=None, n_sink_slots=0, track_gradient=False, decision_chunk=chunk, **changes
     )
 
 
