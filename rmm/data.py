@@ -18,7 +18,7 @@ import threading
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +44,6 @@ _PROBES = (
     "  two leading spaces\nnew line\ttab  ",
     "Ünïcödé — naïve café, 漢字, emoji 🙂, digits 1234567890.",
 )
-_DEFAULTS: dict[str, Any] = {
-    "n_docs": None,
-    "max_tokens": None,
-    "min_tokens": 2,
-    "stream": "per_doc",
-    "path": None,
-    "local_path": None,
-    "hub_id": None,
-    "split": "test",
-    "revision": None,
-}
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -84,6 +73,26 @@ class DatasetStats:
 
 
 @dataclass(frozen=True)
+class DatasetConfig:
+    """The ``dataset`` config node, resolved and checked once (:func:`check_dataset`); data loading and
+    the reuse generator read this, never the raw node. Keys of the node it does not name (``name``,
+    ``tag``) are not read."""
+
+    source: str  # the node's ``source``, default its ``name``
+    n_docs: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 2
+    stream: str = "per_doc"
+    path: str | None = None
+    local_path: str | None = None
+    hub_id: str | None = None
+    split: str = "test"
+    revision: str | None = None
+    reuse: ReuseSpec | None = None  # source reuse: the generator's parameters
+    filler: DatasetConfig | None = None  # source reuse: the text source of the filler (whole documents)
+
+
+@dataclass(frozen=True)
 class _RawDoc:
     doc_id: str
     text: str
@@ -100,7 +109,7 @@ class _HubSpec:
 
 
 def load_documents(
-    cfg: Mapping[str, Any], tokenizer: Any, cache_dir: str | Path | None = None
+    cfg: Mapping[str, Any] | DatasetConfig, tokenizer: Any, cache_dir: str | Path | None = None
 ) -> tuple[list[Document], DatasetStats]:
     """Load, tokenize and select the documents described by the ``dataset`` config node.
 
@@ -109,18 +118,18 @@ def load_documents(
     fewer than ``min_tokens`` tokens. The first ``n_docs`` kept documents are returned; with
     ``stream=concat`` they are joined into one document ``"concat"``, truncated to ``max_tokens``.
     """
-    opts = check_dataset(cfg)
-    if opts["source"] == "reuse":
-        return _reuse_documents(opts, tokenizer, cache_dir)
+    dataset = check_dataset(cfg)
+    if dataset.source == "reuse":
+        return _reuse_documents(dataset, tokenizer, cache_dir)
     cache = _TokenCache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), tokenizer)
-    n_docs, max_tokens, concat = opts["n_docs"], opts["max_tokens"], opts["stream"] == "concat"
+    n_docs, max_tokens, concat = dataset.n_docs, dataset.max_tokens, dataset.stream == "concat"
     kept: list[Document] = []
     skipped = total = 0
-    for raw in _raw_documents(opts):
-        tokens = cache.tokens(opts["source"], raw)
+    for raw in _raw_documents(dataset):
+        tokens = cache.tokens(dataset.source, raw)
         if max_tokens is not None and not concat:
             tokens = tokens[:max_tokens].clone()
-        if len(tokens) < opts["min_tokens"]:
+        if len(tokens) < dataset.min_tokens:
             skipped += 1
             continue
         kept.append(Document(raw.doc_id, tokens, raw.meta))
@@ -136,37 +145,41 @@ def default_cache_dir() -> Path:
     return cache_root() / "tokens"
 
 
-def check_dataset(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate the ``dataset`` config node without a tokenizer or model; returns the plain options.
+def check_dataset(cfg: Mapping[str, Any] | DatasetConfig) -> DatasetConfig:
+    """Resolve and validate the ``dataset`` config node without a tokenizer or model (a resolved
+    :class:`DatasetConfig` is returned as it is).
 
     Raises ValueError naming the key and the fix for bad values, unknown sources, and (``reuse``) bad
     generator parameters, an unknown filler source, or streams that cannot fit ``max_tokens``.
     """
-    opts = _options(cfg)
-    _check_paths(opts, "dataset")
-    if opts["source"] == "reuse":
-        spec = ReuseSpec.from_config(opts)
-        filler = _filler_options(opts)
-        if filler["source"] == "reuse":
+    if isinstance(cfg, DatasetConfig):
+        return cfg
+    dataset = _options(cfg)
+    _check_paths(dataset, "dataset")
+    if dataset.source == "reuse":
+        spec = ReuseSpec.from_config(cfg)
+        filler = _filler_options(cfg.get("filler"), dataset.n_docs)
+        if filler.source == "reuse":
             raise ValueError("dataset.filler cannot itself be reuse: use a text source, e.g. shakespeare")
         _check_paths(filler, "dataset.filler")
-        if opts["max_tokens"] is not None and spec.min_length() > opts["max_tokens"]:
-            raise ValueError(_too_long(spec.min_length(), opts["max_tokens"], "at least "))
-    return opts
+        if dataset.max_tokens is not None and spec.min_length() > dataset.max_tokens:
+            raise ValueError(_too_long(spec.min_length(), dataset.max_tokens, "at least "))
+        dataset = replace(dataset, reuse=spec, filler=filler)
+    return dataset
 
 
-def _check_paths(opts: Mapping[str, Any], prefix: str) -> None:
+def _check_paths(dataset: DatasetConfig, prefix: str) -> None:
     """A textdir source names an existing folder; a local_path, an existing file or folder."""
-    if opts["source"] == "textdir":
-        if not opts["path"]:
+    if dataset.source == "textdir":
+        if not dataset.path:
             raise ValueError(f"{prefix}=textdir needs a folder: {prefix}.path=/path/to/texts")
-        if not Path(opts["path"]).expanduser().is_dir():
+        if not Path(dataset.path).expanduser().is_dir():
             raise DatasetUnavailableError(
-                f"{prefix}.path={opts['path']}: no such folder; point it at a folder of .txt/.md files"
+                f"{prefix}.path={dataset.path}: no such folder; point it at a folder of .txt/.md files"
             )
-    if opts["local_path"] and not Path(opts["local_path"]).expanduser().exists():
+    if dataset.local_path and not Path(dataset.local_path).expanduser().exists():
         raise DatasetUnavailableError(
-            f"{prefix}.local_path={opts['local_path']}: no such file or folder; point it at a downloaded "
+            f"{prefix}.local_path={dataset.local_path}: no such file or folder; point it at a downloaded "
             "mirror (parquet or JSON-lines file, or a folder of them)"
         )
 
@@ -179,14 +192,14 @@ def _too_long(length: int, max_tokens: int, qualifier: str = "") -> str:
     )
 
 
-def _filler_options(opts: Mapping[str, Any]) -> dict[str, Any]:
-    """The filler source's options: ``dataset.filler`` (default shakespeare), whole documents."""
-    filler = dict(opts.get("filler") or {"name": "shakespeare"})
+def _filler_options(node: Mapping[str, Any] | None, n_docs: int | None) -> DatasetConfig:
+    """The filler source: ``dataset.filler`` (default shakespeare), whole documents, as many as streams."""
+    filler = dict(node or {"name": "shakespeare"})
     if "name" not in filler and "source" not in filler:
         raise ValueError("dataset.filler needs a name, e.g. dataset.filler.name=shakespeare")
     filler.setdefault("name", filler.get("source"))
     filler = {**filler, "max_tokens": None, "stream": "per_doc"}
-    filler["n_docs"] = filler.get("n_docs") or opts["n_docs"]
+    filler["n_docs"] = filler.get("n_docs") or n_docs
     try:
         return _options(filler)
     except ValueError as exc:
@@ -194,18 +207,17 @@ def _filler_options(opts: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _reuse_documents(
-    opts: dict[str, Any], tokenizer: Any, cache_dir: str | Path | None
+    dataset: DatasetConfig, tokenizer: Any, cache_dir: str | Path | None
 ) -> tuple[list[Document], DatasetStats]:
     """Generated controlled-reuse streams (rmm/reuse.py), one per document, filler from another source."""
-    if opts["n_docs"] is None:
+    if dataset.n_docs is None:
         raise ValueError("dataset=reuse needs dataset.n_docs (the number of generated streams)")
-    spec = ReuseSpec.from_config(opts)
     vocab = Vocabulary(tokenizer)
-    fillers, _ = load_documents(_filler_options(opts), tokenizer, cache_dir)
+    fillers, _ = load_documents(dataset.filler, tokenizer, cache_dir)
     if not fillers:
-        raise DatasetUnavailableError(f"dataset.filler={opts['filler']} gave no document")
+        raise DatasetUnavailableError(f"dataset.filler={dataset.filler.source} gave no document")
     docs = []
-    for index in range(opts["n_docs"]):
+    for index in range(dataset.n_docs):
 
         def filler(n: int, first: int = index) -> np.ndarray:
             parts, have, k = [], 0, first
@@ -215,9 +227,9 @@ def _reuse_documents(
                 have, k = have + len(part), k + 1
             return np.concatenate(parts)[:n]
 
-        stream = generate(spec, vocab, filler, index)
-        if opts["max_tokens"] is not None and len(stream.tokens) > opts["max_tokens"]:
-            raise ValueError(_too_long(len(stream.tokens), opts["max_tokens"]))
+        stream = generate(dataset.reuse, vocab, filler, index)
+        if dataset.max_tokens is not None and len(stream.tokens) > dataset.max_tokens:
+            raise ValueError(_too_long(len(stream.tokens), dataset.max_tokens))
         meta = {
             "filler_doc": fillers[index % len(fillers)].doc_id,
             "period": stream.period,
@@ -225,17 +237,19 @@ def _reuse_documents(
             "records": stream.records,
         }
         docs.append(Document(f"reuse-{index:04d}", torch.from_numpy(stream.tokens), meta, stream.segments))
-    if opts["stream"] == "concat":
-        docs = [_concatenate(docs, opts["max_tokens"])]
+    if dataset.stream == "concat":
+        docs = [_concatenate(docs, dataset.max_tokens)]
     return docs, DatasetStats(len(docs), 0, sum(len(d.tokens) for d in docs))
 
 
-def _options(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Config node (OmegaConf or dict) -> validated plain dict with defaults filled in."""
-    opts = {**_DEFAULTS, **{key: cfg[key] for key in cfg}}
-    opts["source"] = opts.get("source") or opts["name"]
-    if opts["source"] not in _SOURCES:
-        raise ValueError(f"unknown dataset source {opts['source']!r}; expected one of {sorted(_SOURCES)}")
+def _options(cfg: Mapping[str, Any]) -> DatasetConfig:
+    """Config node (OmegaConf or dict) -> checked :class:`DatasetConfig` (no reuse or filler yet)."""
+    keys = [f.name for f in fields(DatasetConfig) if f.name not in ("source", "reuse", "filler")]
+    opts = {key: cfg[key] for key in keys if key in cfg}
+    opts = {**{key: getattr(DatasetConfig, key) for key in keys}, **opts}
+    source = cfg.get("source") or cfg.get("name")
+    if source not in _SOURCES:
+        raise ValueError(f"unknown dataset source {source!r}; expected one of {sorted(_SOURCES)}")
     if opts["stream"] not in STREAM_MODES:
         raise ValueError(f"dataset.stream must be one of {STREAM_MODES}, got {opts['stream']!r}")
     for key in ("n_docs", "max_tokens", "min_tokens"):
@@ -245,7 +259,7 @@ def _options(cfg: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"dataset.{key} must be an integer >= 1{nullable}, got {value!r}")
     if opts["max_tokens"] is not None and opts["max_tokens"] < opts["min_tokens"]:
         raise ValueError(f"dataset.max_tokens={opts['max_tokens']} < dataset.min_tokens={opts['min_tokens']}")
-    return opts
+    return DatasetConfig(source=source, **opts)
 
 
 def _concatenate(docs: list[Document], max_tokens: int | None) -> Document:
@@ -305,13 +319,12 @@ def _jsonable(meta: dict) -> dict:
 # sources: each returns an iterator of _RawDoc in a deterministic order; setup errors are raised eagerly
 
 
-def _raw_documents(opts: dict[str, Any]) -> Iterator[_RawDoc]:
-    source = opts["source"]
-    if source == "shakespeare":
+def _raw_documents(dataset: DatasetConfig) -> Iterator[_RawDoc]:
+    if dataset.source == "shakespeare":
         return _shakespeare()
-    if source == "textdir":
-        return _textdir(opts["path"])
-    return _hub(opts, source, _HUB_SPECS[source])
+    if dataset.source == "textdir":
+        return _textdir(dataset.path)
+    return _hub(dataset, _HUB_SPECS[dataset.source])
 
 
 def _text_files(root: Path, relative: list[Path], doc_id: Callable[[Path], str]) -> Iterator[_RawDoc]:
@@ -387,14 +400,14 @@ _HUB_SPECS = {
 _SOURCES = ("shakespeare", "textdir", "reuse", *_HUB_SPECS)
 
 
-def _hub(opts: dict[str, Any], source: str, spec: _HubSpec) -> Iterator[_RawDoc]:
+def _hub(dataset: DatasetConfig, spec: _HubSpec) -> Iterator[_RawDoc]:
     """Rows of a hub dataset, streamed (only what is consumed is read), or of its local mirror."""
     from datasets import load_dataset
 
-    split, revision = opts["split"], opts["revision"]
-    hub_id = opts["hub_id"] or spec.hub_id
-    if opts["local_path"]:
-        builder, files = _local_data_files(Path(opts["local_path"]).expanduser(), split)
+    source, split, revision = dataset.source, dataset.split, dataset.revision
+    hub_id = dataset.hub_id or spec.hub_id
+    if dataset.local_path:
+        builder, files = _local_data_files(Path(dataset.local_path).expanduser(), split)
         identity = json.dumps(["local", builder, *map(_file_identity, files)])
         rows = load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True)
     else:

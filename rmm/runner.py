@@ -95,18 +95,18 @@ def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
 
 def build(cfg: DictConfig) -> RunSetup:
     """Policy, model, documents and (when needed) the reference pass."""
-    check_dataset(cfg.dataset)
+    dataset = check_dataset(cfg.dataset)  # resolved once: loading reads this, not the node
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(cfg.model, device, dtype)
     dims = describe_model(model)
-    docs, data_stats = load_documents(cfg.dataset, tokenizer)
+    docs, data_stats = load_documents(dataset, tokenizer)
     if not docs:
         raise ValueError(
             f"dataset {cfg.dataset.name!r} gave no document with at least "
-            f"{cfg.dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short)"
+            f"{dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short)"
         )
     longest = max(d.tokens.numel() for d in docs)
     reference = None
