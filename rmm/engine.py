@@ -21,7 +21,7 @@ from rmm.memory import SlotMemory, record_gradients
 from rmm.models import UnsupportedModelError, describe_model
 from rmm.policies import Observation, Policy, ScorePolicy
 from rmm.policies.select import SCOPES, adaptive_floor, capacities, check_allocation, rule_keep, select
-from rmm.recording import RecordingPlan, recording_plan
+from rmm.recording import RecordingPlan, check_positions, recording_plan
 from rmm.rotary import Rotary
 from rmm.selfcheck import SelfCheck
 
@@ -80,16 +80,16 @@ class StreamingEngine:
         check_batch(batch)
         if allocation != "uniform" and policy.budget is None:
             raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
-        self.plan = recording_plan(policy, positions)
+        check_positions(policy, positions)
         integration.check_model(model, positions)
         self.windows = integration.layer_windows(model)  # per layer: past entries its window shows, or None
         check_windows(model, self.windows, policy, scope)
         dims = describe_model(model)
         self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
-        if allocation != "uniform":  # R: the largest per-head capacity
-            self.plan = recording_plan(policy, positions, allocation, self.shape[:2])
-        if layers == "global" and policy.budget is not None:
-            self.plan = self.plan.exempting(self.windows)
+        # the recording plan, built once: R is the largest per-head capacity under an allocation, and the
+        # widest window of a layer the policy leaves alone (layers=global)
+        plan = recording_plan(policy, positions, allocation, self.shape[:2])
+        self.plan = plan.exempting(self.windows) if layers == "global" and policy.budget is not None else plan
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         self.allocation, self.layers, self.batch = allocation, layers, batch
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine

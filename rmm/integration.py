@@ -175,7 +175,7 @@ def _attend(
     if kv_memory.record_queries:
         kv_memory.store_queries(layer, q)
 
-    if not kv_memory.record_attention and softcap is None and s_aux is None:
+    if attention_path(kv_memory, softcap, s_aux) == "fused":
         if sink_query is None:
             out = F.scaled_dot_product_attention(
                 q, keys[:, None], values[:, None], attn_mask=allowed[:, None], scale=scaling, enable_gqa=True
@@ -205,6 +205,17 @@ def _attend(
         if kv_memory.track_gradient:
             out = kv_memory.track_output(layer, probs, values, out)
     return out.reshape(-1, out.shape[-2], out.shape[-1])  # [n_heads, Q, D]
+
+
+def attention_path(kv_memory: SlotMemory, softcap: float | None, s_aux: torch.Tensor | None) -> str:
+    """Which computation a layer's attention takes: ``fused`` (scaled_dot_product_attention over the
+    memory, nothing materialised) unless the probabilities are needed, then ``explicit`` (logits and
+    probabilities materialised in fp32). They are needed when the stream's plan records attention (a
+    policy that reads it, the gradient utility, or an observer: ``RecordingPlan.observed``), or when the
+    model asks for a logit softcap or attention-sink logits (``s_aux``)."""
+    if kv_memory.record_attention or softcap is not None or s_aux is not None:
+        return "explicit"
+    return "fused"
 
 
 def _attention_with_sinks(

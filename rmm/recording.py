@@ -98,8 +98,7 @@ def recording_plan(
 ) -> RecordingPlan:
     """The recording plan of ``policy`` under ``positions`` (``original`` or ``cache``) and the budget
     ``allocation`` over ``shape`` = (n_layers, n_kv_heads) (needed unless ``allocation`` is uniform)."""
-    if positions not in POSITIONS:
-        raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+    check_positions(policy, positions)
     retained = None if policy.budget is None else policy.capacity
     if isinstance(policy, PositionRule):
         return RecordingPlan(
@@ -122,7 +121,6 @@ def recording_plan(
             raise ValueError(f"allocation={allocation} needs the model's (n_layers, n_kv_heads)")
         retained = retained_slots(allocation, retained, policy.protected, *shape)
     needs = policy.needs
-    check_positions(policy, positions)
     store_unrotated = positions == "cache"
     return RecordingPlan(
         rule=None,
@@ -142,8 +140,11 @@ def recording_plan(
 
 
 def check_positions(policy: Policy, positions: str) -> None:
-    """Refuse ``positions=cache`` for a policy that reads keys as cached (:attr:`ScorePolicy.cached_keys`):
-    there the memory holds keys unrotated and rotates them to a new rank at every chunk."""
+    """Refuse an unknown ``positions``, and ``positions=cache`` for a policy that reads keys as cached
+    (:attr:`ScorePolicy.cached_keys`): there the memory holds keys unrotated and rotates them to a new rank
+    at every chunk."""
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
     if positions == "cache" and isinstance(policy, ScorePolicy) and policy.cached_keys:
         raise ValueError(
             f"policy {policy.name} with policy.variant={getattr(policy, 'variant', None)} scores the keys "
