@@ -18,7 +18,14 @@ from tests.fixtures.results.synthetic import BUDGETS, LAGS, expected_ppl, make_s
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "figures.ipynb"
 N_RUNS = 1 + len(BUDGETS) * (len(synthetic.POLICIES) + len(LAGS) * len(synthetic.WEIGHTS))
-FIGURE_NAMES = ["ppl_vs_budget", "ppl_vs_lag", "cumulative_ppl", "throughput_memory", "measure_vs_accumulate"]
+FIGURE_NAMES = [
+    "ppl_vs_budget",
+    "ratio_vs_budget",
+    "ppl_vs_lag",
+    "cumulative_ppl",
+    "throughput_memory",
+    "measure_vs_accumulate",
+]
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +257,7 @@ def test_figures_skip_without_the_runs_they_need(
     partial = figures.make_all(no_rmm, tmp_path)
     assert [name for name, fig in partial.items() if fig is not None] == [
         "ppl_vs_budget",
+        "ratio_vs_budget",
         "cumulative_ppl",
         "throughput_memory",
     ]
@@ -352,3 +360,18 @@ def test_one_policy_table_covers_every_policy_and_weight() -> None:
     assert not tabled & {mcolors.to_rgb(c) for c in SPARE_COLORS}
     assert policy_label("a_new_policy") == "a_new_policy" and policy_color("a_new_policy") in SPARE_COLORS
     assert len({mcolors.to_rgb(c) for c in WEIGHT_COLORS.values()}) == len(WEIGHT_COLORS)
+
+
+def test_ratio_vs_budget_draws_the_paired_ratios(runs: pd.DataFrame, drawn: tuple[dict, Path]) -> None:
+    """Each line is a label's paired ratio to h2o (rmm/analysis/compare.py), by budget; h2o itself is the
+    dashed line at 1, not a line of its own."""
+    from rmm.analysis.compare import compare_sweep
+
+    ax = drawn[0]["ratio_vs_budget"].axes[0]
+    lines = {line.get_label(): line for line in ax.lines}
+    assert "h2o" not in lines and lines["baseline (policy=h2o)"].get_ydata()[0] == 1.0
+    comparisons = compare_sweep(runs[runs["policy"].isin(["streaming_llm", "h2o"])])
+    expected = comparisons.sort_values("budget")
+    line = lines[expected["label"].iloc[0]]
+    assert line.get_xdata().tolist() == expected["budget"].tolist()
+    assert line.get_ydata() == pytest.approx(expected["ppl_ratio"].to_numpy())

@@ -22,10 +22,10 @@ from matplotlib import colors as mcolors
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullLocator
+from matplotlib.ticker import FuncFormatter, NullLocator
 
 from rmm.analysis.collect import load_runs, with_labels
-from rmm.analysis.compare import compare_runs
+from rmm.analysis.compare import DEFAULT_BASELINE, compare_runs, compare_sweep
 from rmm.analysis.policy_table import WEIGHT_COLORS, policy_color, policy_sort_key
 from rmm.storage import read_tokens
 from rmm.tracking import position_perplexity
@@ -244,6 +244,48 @@ def ppl_vs_budget(
     ax.set_title(
         f"Perplexity vs budget — {_setting_title(frame)}{_rmm_note(labelled, rmm_weight, rmm_after_commit)}"
         f"\n{PER_RUN_NOTE}",
+        fontsize=10,
+    )
+    _legend(fig, ax)
+    return _save(fig, out_dir, name)
+
+
+def ratio_vs_budget(
+    frame: pd.DataFrame,
+    out_dir: str | Path,
+    baseline: str = DEFAULT_BASELINE,
+    rmm_weight: str | None = "correct",
+    rmm_after_commit: str | None = "accumulate",
+) -> Figure | None:
+    """Each run's perplexity over its baseline's at the same budget, paired per token, with the 95 %
+    interval of :func:`rmm.analysis.compare.compare_sweep` (documents, then blocks); one line per
+    policy configuration (rmm as in :func:`ppl_vs_budget`). Below 1: better than the baseline."""
+    name = "ratio_vs_budget"
+    frame = select_setting(frame)
+    labelled = _budget_lines(frame, rmm_weight, rmm_after_commit) if not frame.empty else frame
+    comparisons = compare_sweep(labelled, baseline) if not labelled.empty else pd.DataFrame()
+    if comparisons.empty:
+        _note(name, f"no run with a baseline {baseline}")
+        return None
+    fig, (ax,) = _new_figure()
+    colors = _label_colors(labelled)
+    order = [label for label in _ordered_labels(labelled) if label in set(comparisons["label"])]
+    for slot, label in enumerate(order):
+        line = comparisons[comparisons["label"] == label].sort_values("budget")
+        ax.plot(line["budget"], line["ppl_ratio"], marker="o", color=colors[label], label=label)
+        low, high = line["ppl_ratio_ci_low"], line["ppl_ratio_ci_high"]
+        _error_bars(ax, line["budget"], low, high, colors[label], slot, len(order))
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label=f"baseline ({baseline})")
+    _log2_xaxis(ax, comparisons["budget"])
+    ax.set_xlabel("KV budget B (entries per head)")
+    ax.set_ylabel("perplexity / baseline's (paired per token)")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda y, _: f"{y:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_title(
+        f"Perplexity ratio to {baseline} — {_setting_title(frame)}"
+        f"{_rmm_note(labelled, rmm_weight, rmm_after_commit)}\nbars: 95 % paired bootstrap interval",
         fontsize=10,
     )
     _legend(fig, ax)
@@ -527,6 +569,7 @@ def make_all(
     """Draw every figure into ``out_dir``; ``budget`` fixes the budget of ppl_vs_lag and cumulative_ppl."""
     return {
         "ppl_vs_budget": ppl_vs_budget(frame, out_dir),
+        "ratio_vs_budget": ratio_vs_budget(frame, out_dir),
         "ppl_vs_lag": ppl_vs_lag(frame, out_dir, budget=budget),
         "cumulative_ppl": cumulative_ppl(frame, out_dir, budget=budget),
         "throughput_memory": throughput_memory(frame, out_dir),

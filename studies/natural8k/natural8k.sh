@@ -15,5 +15,6 @@ fi
 "$PY" -m rmm.analysis.collect "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md"
 "$PY" -m rmm.analysis.compare "$OUT/runs.csv" --baseline policy=h2o --baseline policy.weight=uniform \
     --table "$OUT/comparison.md"
+"$PY" -m rmm.analysis.figures "$OUT/runs.csv" --out "$OUT/figures" >/dev/null
 # The 2026 baselines against h2o and the smoother in both natural-text studies (results/cpu/baselines2026.md).
 "$PY" studies/natural8k/baselines2026.py >/dev/null
