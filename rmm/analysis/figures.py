@@ -172,6 +172,17 @@ def _error_bars(ax: Axes, x: Any, low: Any, high: Any, color: Any, slot: int, sl
     ax.vlines(x[keep] * dodge, low[keep], high[keep], color=color, lw=1.2, alpha=0.8)
 
 
+def _lines_by_budget(
+    ax: Axes, points: pd.DataFrame, order: list[str], colors: dict[str, Any], value: str, low: str, high: str
+) -> None:
+    """One line per label of ``points`` (in ``order``) of ``value`` over the budget, with its ``low`` to
+    ``high`` interval as bars dodged side by side."""
+    for slot, label in enumerate(order):
+        line = points[points["label"] == label].sort_values("budget")
+        ax.plot(line["budget"], line[value], marker="o", color=colors[label], label=label)
+        _error_bars(ax, line["budget"], line[low], line[high], colors[label], slot, len(order))
+
+
 def _paired_ppl_bounds(base_runs: pd.Series, runs: pd.Series) -> tuple[float, float]:
     """Interval of the perplexity of the run in ``runs`` measured against the run in ``base_runs``:
     ppl_base x the paired ppl-ratio bounds of ``rmm/analysis/compare.py`` (NaN unless one run on each
@@ -227,13 +238,7 @@ def ppl_vs_budget(
     points = _by_budget(labelled, "ppl").merge(
         _intervals(labelled, ["label", "budget"]), on=["label", "budget"]
     )
-    order = _ordered_labels(labelled)
-    for slot, label in enumerate(order):
-        line = points[points["label"] == label]
-        ax.plot(line["budget"], line["ppl"], marker="o", color=colors[label], label=label)
-        _error_bars(
-            ax, line["budget"], line["ppl_ci_low"], line["ppl_ci_high"], colors[label], slot, len(order)
-        )
+    _lines_by_budget(ax, points, _ordered_labels(labelled), colors, "ppl", "ppl_ci_low", "ppl_ci_high")
     full = _full_ppl(frame)
     if full is not None:
         ax.axhline(full, color="black", linestyle="--", linewidth=1, label="full (no eviction)")
@@ -270,11 +275,7 @@ def ratio_vs_budget(
     fig, (ax,) = _new_figure()
     colors = _label_colors(labelled)
     order = [label for label in _ordered_labels(labelled) if label in set(comparisons["label"])]
-    for slot, label in enumerate(order):
-        line = comparisons[comparisons["label"] == label].sort_values("budget")
-        ax.plot(line["budget"], line["ppl_ratio"], marker="o", color=colors[label], label=label)
-        low, high = line["ppl_ratio_ci_low"], line["ppl_ratio_ci_high"]
-        _error_bars(ax, line["budget"], low, high, colors[label], slot, len(order))
+    _lines_by_budget(ax, comparisons, order, colors, "ppl_ratio", "ppl_ratio_ci_low", "ppl_ratio_ci_high")
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label=f"baseline ({baseline})")
     _log2_xaxis(ax, comparisons["budget"])
     ax.set_xlabel("KV budget B (entries per head)")
