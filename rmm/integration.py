@@ -183,11 +183,12 @@ def _attend(
         else:
             out = _attention_with_sinks(q, sink_query, keys, values, kv_memory, layer, scaling)
     else:
-        logits = torch.matmul(q, keys[:, None].transpose(-1, -2)).float() * scaling  # [H, G, Q, S]
+        wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for an fp64 model
+        logits = torch.matmul(q, keys[:, None].transpose(-1, -2)).to(wide) * scaling  # [H, G, Q, S]
         if sink_query is not None:
             n_sinks = kv_memory.n_sink_slots
             sink_logits = (
-                torch.matmul(sink_query, keys[:, None, :n_sinks].transpose(-1, -2)).float() * scaling
+                torch.matmul(sink_query, keys[:, None, :n_sinks].transpose(-1, -2)).to(wide) * scaling
             )
             logits[..., :n_sinks] = sink_logits
         if softcap is not None:
@@ -197,7 +198,7 @@ def _attend(
         if s_aux is None:
             probs = torch.softmax(logits, dim=-1)
         else:  # one more logit per query head, whose probability is dropped
-            sinks = s_aux.float().view(n_kv, -1, 1, 1).expand(-1, -1, logits.shape[2], 1)
+            sinks = s_aux.to(wide).view(n_kv, -1, 1, 1).expand(-1, -1, logits.shape[2], 1)
             probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
         if kv_memory.record_attention:
             kv_memory.store_attention(layer, probs.sum(dim=1))  # GQA group summed: [H, Q, S]
@@ -210,9 +211,10 @@ def _attend(
 def attention_path(kv_memory: SlotMemory, softcap: float | None, s_aux: torch.Tensor | None) -> str:
     """Which computation a layer's attention takes: ``fused`` (scaled_dot_product_attention over the
     memory, nothing materialised) unless the probabilities are needed, then ``explicit`` (logits and
-    probabilities materialised in fp32). They are needed when the stream's plan records attention (a
-    policy that reads it, the gradient utility, or an observer: ``RecordingPlan.observed``), or when the
-    model asks for a logit softcap or attention-sink logits (``s_aux``)."""
+    probabilities materialised in fp32, fp64 for an fp64 model). They are needed when the stream's plan
+    records attention (a policy that reads it, the gradient utility, or an observer:
+    ``RecordingPlan.observed``), or when the model asks for a logit softcap or attention-sink logits
+    (``s_aux``)."""
     if kv_memory.record_attention or softcap is not None or s_aux is not None:
         return "explicit"
     return "fused"

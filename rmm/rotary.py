@@ -48,7 +48,7 @@ class Rotation:
         """Rotate ``x`` [..., P, head_dim] by angles with cos, sin [..., P, rot_dim / 2]."""
         if not self.rot_dim:
             return x
-        xf, rot = x.float(), self.rot_dim
+        xf, rot = x.to(torch.promote_types(x.dtype, torch.float32)), self.rot_dim  # fp32, or fp64
         if self.interleaved:
             x1, x2 = xf[..., 0:rot:2], xf[..., 1:rot:2]
             pairs = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)

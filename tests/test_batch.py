@@ -212,11 +212,24 @@ def test_a_model_whose_batch_rows_interact_is_refused():
     model = tiny_model("llama")
     model.model.layers[0].mlp.register_forward_hook(_MixingRows())
     engine = StreamingEngine(model, make_policy({"name": "h2o"}, BUDGET, 4), batch=2)
-    with pytest.raises(UnsupportedModelError, match="self-check"):
+    with pytest.raises(UnsupportedModelError, match="batch rows interact; run it with batch=1"):
         engine.self_check(sampled_stream(tiny_model("llama"), 24))
     StreamingEngine(model, make_policy({"name": "h2o"}, BUDGET, 4), batch=1).self_check(
         sampled_stream(tiny_model("llama"), 24)
     )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_self_check_judges_the_model_alike_at_every_batch(arch):
+    """Only the probe is held against the model's forward, at any batch (its reverse, which is no text,
+    only against itself streamed alone): the same statistic at batch 1 and 4, and a batch statistic."""
+    model = tiny_model(arch)
+    tokens = sampled_stream(model, 40)
+    policy = make_policy({"name": "h2o"}, BUDGET, 4)
+    one = StreamingEngine(model, policy, positions="cache", batch=1).self_check(tokens)
+    four = StreamingEngine(model, policy, positions="cache", batch=4).self_check(tokens)
+    assert one.batch_dnll is None and four.max_abs_dnll == one.max_abs_dnll
+    assert four.batch_dnll is not None and 0 <= four.batch_dnll <= BATCH_ATOL
 
 
 def test_bad_batch_is_refused():

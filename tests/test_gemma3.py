@@ -35,7 +35,7 @@ def gemma3():
     )
     tokens = load_documents(data, tokenizer)[0][0].tokens
     assert tokens.numel() == N_FULL and tokens[:N_REFERENCE].unique().numel() < N_REFERENCE
-    return model, tokens
+    return model, tokens, tokenizer
 
 
 def own_nll(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,7 @@ def own_nll(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def test_full_equals_the_models_own_forward_over_2048_tokens(gemma3) -> None:
     """policy=full streams 2048 tokens in 1024-token passes: the sliding layers' window is applied."""
-    model, tokens = gemma3
+    model, tokens, _ = gemma3
     engine = StreamingEngine(model, make_policy({"name": "full"}, budget=None, chunk=64))
     result = engine.stream(tokens)
     difference = float((result.nll - own_nll(model, tokens)).abs().max())
@@ -68,7 +68,7 @@ def test_matches_the_reference(gemma3, name: str, params: dict, chunk: int, posi
     """600 tokens at B=64: entries kept past 512 positions leave the sliding layers (h2o keeps early heavy
     hitters), cache positions re-rotate keys with each layer type's frequencies, and knorm ranks the
     unrotated keys of repeated tokens (equal at layer 0)."""
-    model, tokens = gemma3
+    model, tokens, _ = gemma3
     tokens = tokens[:N_REFERENCE]
     hook, sets = set_recorder()
     policy = make_policy({"name": name, **params}, budget=BUDGET, chunk=chunk)
@@ -92,7 +92,7 @@ def test_a_batch_streams_each_document_as_alone(gemma3, name: str, params: dict,
 
     from rmm.engine import StreamHooks, StreamRequest
 
-    model, tokens = gemma3
+    model, tokens, _ = gemma3
     docs = [tokens[:700], tokens[700:1260], tokens[1260:1560]]
     policy = make_policy({"name": name, **params}, budget=128, chunk=32)
     runs = []
@@ -111,3 +111,37 @@ def test_a_batch_streams_each_document_as_alone(gemma3, name: str, params: dict,
         record_max("per-token |NLL batched - alone|, Gemma 3 fp32", float((one.nll - many.nll).abs().max()))
         torch.testing.assert_close(many.nll, one.nll, rtol=0, atol=5e-6)
     assert batched_sets == alone_sets
+
+
+def test_the_confirmatory_stream_once_refused_at_batch_4_passes(gemma3) -> None:
+    """Cell W2 at generator seed 12 (docs/confirmation.md): the reverse of stream reuse-0003's probe,
+    which is no text, differs from Gemma's own forward by up to 1.07e-4 nats in fp32 even streamed alone
+    (results/cpu/confirm/selfcheck_rounding.md), and refused every run of that seed at batch 4 while the
+    batched self-check held it against the model. Now only the probe is, as at batch 1."""
+    from hydra import compose, initialize_config_dir
+
+    from rmm.config import config_dir
+    from rmm.data import load_documents
+    from studies.confirm.confirm import cell_overrides
+
+    model, _, tokenizer = gemma3
+    (line,) = [line for line in cell_overrides("gemma3_270m") if line.startswith("W2 ")]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=[
+                "experiment=confirm_cpu_common",
+                "model=gemma3_270m",
+                *line.split()[2:],
+                "dataset.seed=12",
+            ],
+        )
+    docs, _ = load_documents(cfg.dataset, tokenizer)
+    (doc,) = [doc for doc in docs if doc.doc_id == "reuse-0003"]
+    policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
+    checks = [
+        StreamingEngine(model, policy, positions="cache", batch=batch).self_check(doc.tokens)
+        for batch in (1, 4)
+    ]
+    assert checks[1].max_abs_dnll == checks[0].max_abs_dnll <= NLL_ATOL
+    assert checks[1].batch_dnll is not None and checks[1].batch_dnll <= 5e-6
