@@ -112,7 +112,8 @@ def test_verdict_table_on_synthetic_runs(study: Path, tmp_path: Path) -> None:
     text = (out / "verdicts.md").read_text()
     assert (
         "| win | smollm2_135m | W2 | correct_vs_h2o |" in text
-        and "confirmed 2, refuted 1, pending 57" in text
+        and "Verdicts, smollm2_135m (48 predictions): confirmed 2, refuted 1, pending 45." in text
+        and "Verdicts, gemma3_270m (12 predictions): pending 12." in text
     )
 
 

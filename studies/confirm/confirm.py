@@ -182,10 +182,13 @@ def markdown(table: pd.DataFrame) -> str:
             ]
         cells = [row["predicted"], row["model"], row["cell"], row["comparison"], *figures, row["verdict"]]
         lines.append("| " + " | ".join(cells) + " |")
-    counts = table["verdict"].str.split(" ").str[0].value_counts()
-    order = [k for k in ("confirmed", "refuted", "unresolved", "pending") if k in counts]
-    lines += ["", "Verdicts: " + ", ".join(f"{k} {counts[k]}" for k in order) + ".", ""]
-    return "\n".join(lines)
+    lines.append("")
+    for model, rows in table.groupby("model", sort=False):
+        counts = rows["verdict"].str.split(" ").str[0].value_counts()
+        order = [k for k in ("confirmed", "refuted", "unresolved", "pending") if k in counts]
+        summary = ", ".join(f"{k} {counts[k]}" for k in order)
+        lines.append(f"Verdicts, {model} ({len(rows)} predictions): {summary}.")
+    return "\n".join([*lines, ""])
 
 
 def natural_lag(runs: Path, budget: int) -> int:
