@@ -5,12 +5,14 @@
     python checks/verify_results.py --batch 4 --per-root 1 --min-docs 2 --budget-s 0 \
         --out results/cpu/verify_batched.md                     # one multi-document run per study, batched
 
-The pool is every complete run directory under the ROOTs (default: the committed studies of
-``results/cpu``, not the confirmation in progress) whose model loads offline (a ``gguf_package`` model whose
-package is installed, or a local directory that exists; hub models are left out) and whose estimated cost
-is at most ``--max-run-s``. A run's estimated cost is its committed ``wall_s`` plus ``reference_wall_s``
-plus ``--overhead-s`` (model load and self-check). The pool is shuffled with ``--seed`` and runs are taken
-in that order while their estimated costs fit ``--budget-s`` (0: no time limit) and at most ``--n`` runs.
+The pool is every complete run directory under the ROOTs (default: the committed studies of ``results/cpu``
+but the confirmation, which is sampled apart: ``python checks/verify_results.py results/cpu/confirm/runs
+--budget-s 300 --out results/cpu/confirm/verify_results.md``) whose model loads offline (a ``gguf_package``
+model whose package is installed, or a local directory that exists; hub models are left out) and whose
+estimated cost is at most ``--max-run-s``. A run's estimated cost is its committed ``wall_s`` plus
+``reference_wall_s`` plus ``--overhead-s`` (model load and self-check). The pool is shuffled with ``--seed``
+and runs are taken in that order while their estimated costs fit ``--budget-s`` (0: no time limit) and at most
+``--n`` runs.
 
 Each sampled run's ``config.yaml`` (the resolved config it ran with) is completed with the defaults of
 config keys added since (``rmm.runner.ADDED_KEY_DEFAULTS``), checked to be the configuration that
