@@ -118,24 +118,11 @@ def test_the_confirmatory_stream_once_refused_at_batch_4_passes(gemma3) -> None:
     which is no text, differs from Gemma's own forward by up to 1.07e-4 nats in fp32 even streamed alone
     (results/cpu/confirm/selfcheck_rounding.md), and refused every run of that seed at batch 4 while the
     batched self-check held it against the model. Now only the probe is, as at batch 1."""
-    from hydra import compose, initialize_config_dir
-
-    from rmm.config import config_dir
     from rmm.data import load_documents
-    from studies.confirm.confirm import cell_overrides
+    from studies.confirm.confirm import cell_config
 
     model, _, tokenizer = gemma3
-    (line,) = [line for line in cell_overrides("gemma3_270m") if line.startswith("W2 ")]
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose(
-            "config",
-            overrides=[
-                "experiment=confirm_cpu_common",
-                "model=gemma3_270m",
-                *line.split()[2:],
-                "dataset.seed=12",
-            ],
-        )
+    cfg = cell_config("gemma3_270m", "W2", 12, "policy=h2o")
     docs, _ = load_documents(cfg.dataset, tokenizer)
     (doc,) = [doc for doc in docs if doc.doc_id == "reuse-0003"]
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)

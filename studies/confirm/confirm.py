@@ -22,10 +22,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 from scipy import stats
 
 from rmm.analysis.bootstrap import N_RESAMPLES
 from rmm.analysis.collect import collect
+from rmm.config import config_dir
 from rmm.storage import atomic_write_text
 from studies.regimes.regimes import SEED_COLUMN, _interval, _replicates, arm, pooled_pairs
 
@@ -54,6 +57,24 @@ def cell_overrides(model: str) -> list[str]:
             factors = " ".join(f"{key}={cell[short]}" for short, key in FACTOR_KEYS.items())
             lines.append(f"{name} {cell['lag']} {factors}")
     return lines
+
+
+def cell_config(model: str, cell: str, seed: int, *overrides: str) -> DictConfig:
+    """The composed run config of a registered ``cell`` of ``model`` at generator ``seed``: its factors as
+    the sweep passes them, and further Hydra ``overrides`` (the arm: policy, and lag for rmm)."""
+    (line,) = [line for line in cell_overrides(model) if line.split()[0] == cell]
+    _, _, *factors = line.split()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(
+            "config",
+            overrides=[
+                "experiment=confirm_cpu_common",
+                f"model={model}",
+                *factors,
+                f"dataset.seed={seed}",
+                *overrides,
+            ],
+        )
 
 
 def seed_log_ratios(runs_a: dict[int, str], runs_b: dict[int, str]) -> tuple[pd.Series, pd.DataFrame]:

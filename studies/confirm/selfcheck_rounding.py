@@ -16,16 +16,14 @@ import argparse
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 from rmm import selfcheck
-from rmm.config import config_dir
 from rmm.data import load_documents
 from rmm.engine import StreamingEngine
 from rmm.files import atomic_write_text
 from rmm.models import load_model
 from rmm.policies import make_policy
-from studies.confirm.confirm import cell_overrides
+from studies.confirm.confirm import cell_config
 
 MODEL = "gemma3_270m"
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -34,10 +32,7 @@ POSITIONS = ("original", "cache")
 
 def measure(cell: str, seed: int) -> list[str]:
     """Markdown rows: stream | row | |dNLL| per dtype and position mode | batch of two against alone."""
-    (line,) = [line for line in cell_overrides(MODEL) if line.split()[0] == cell]
-    overrides = ["experiment=confirm_cpu_common", f"model={MODEL}", *line.split()[2:], f"dataset.seed={seed}"]
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, "policy=h2o"])
+    cfg = cell_config(MODEL, cell, seed, "policy=h2o")
     model, tokenizer = load_model(cfg.model, torch.device("cpu"), torch.float32)
     docs, _ = load_documents(cfg.dataset, tokenizer)
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
