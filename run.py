@@ -10,6 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from rmm import provenance
 from rmm.config import check_run
 from rmm.files import atomic_write_text
 
@@ -20,7 +21,9 @@ ERROR_FILE = "error.txt"  # a failed sweep job's traceback, in its run directory
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    """One run; in a sweep (-m) a failing job is logged and recorded in error.txt, and the sweep goes on."""
+    """One run; in a sweep (-m) a failing job is logged and recorded in error.txt, and the sweep goes on,
+    except a registered run refused for uncommitted code (provenance.require_clean), which ends the sweep."""
+    provenance.capture()  # first in a launcher's own job process (submitit); else captured before Hydra
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
@@ -28,6 +31,9 @@ def main(cfg: DictConfig) -> float:
         from rmm.runner import run
 
         metrics = run(cfg, run_dir)
+    except provenance.DirtyTreeError as error:
+        log.error("%s", error)
+        raise SystemExit(f"refused: {error}") from None  # not one error.txt per job: the whole sweep stops
     except Exception:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             raise
@@ -57,4 +63,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    provenance.capture()  # the code as this process found it, before Hydra composes the config
     main()

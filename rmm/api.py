@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 from transformers import PreTrainedModel
 
-from rmm import models
+from rmm import models, provenance
 from rmm.analysis.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
 from rmm.data import Document
 from rmm.engine import ChunkHook, StreamHooks, StreamingEngine, StreamRequest, StreamResult, layer_entries
@@ -109,6 +109,7 @@ def evaluate(
     -------
     Evaluation with ``ppl``, ``metrics``, ``tokens`` and ``save(dir)``.
     """
+    provenance.capture()  # the code as this process found it: later edits are not attributed to its runs
     docs = _documents(texts, tokenizer, token_ids, documents, max_tokens)
     if isinstance(policy, Policy):
         if policy_params:

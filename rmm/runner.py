@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from rmm import api
+from rmm import api, provenance
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
@@ -21,7 +21,7 @@ from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import Policy, ScorePolicy, make_policy
 from rmm.policies.select import SCOPES
 from rmm.recording import POSITIONS
-from rmm.storage import environment_info, read_config, read_metrics, run_is_complete, write_run
+from rmm.storage import read_config, read_metrics, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,16 @@ class RunSetup:
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Execute the run described by ``cfg`` and write it to ``run_dir``; returns its metrics."""
+    code = provenance.capture()  # the code as this process found it (run.py captured before Hydra)
     run_dir = Path(run_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.resume and run_is_complete(run_dir):
         return _resume(run_dir, config)
     _check_options(cfg)
+    if OmegaConf.select(cfg, "provenance.require_clean", default=False):
+        code.require_clean()  # a registered study's run: refused from a dirty tree, before the model loads
+    environment = {**code.metrics(), **provenance.runtime_info(resolve_device(cfg.device))}
     setup = build(cfg)
-    environment = environment_info()  # the code that runs, read before it runs
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
         progress = tqdm(
             total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name
@@ -76,7 +79,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             **_parameters(config, "dataset"),
             **environment,
         }
-        write_run(run_dir, config, metrics, tokens)
+        write_run(run_dir, config, metrics, tokens, code_diff=code.diff)
         tracker.finish(metrics, position_perplexity(tokens))
     return metrics
 
@@ -176,7 +179,17 @@ def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
 # model.architecture records the checkpoint's shape (for the planner and proxies); the weights decide results.
 # batch (documents per forward pass) changes a document's results only by fp32 rounding (docs/semantics.md).
 # model.pip and model.assemble say how a gguf_package model is installed and its GGUF written, not what runs.
-_NOT_RESULTS = {"resume", "progress", "wandb", "batch", "model.architecture", "model.pip", "model.assemble"}
+# provenance.require_clean only refuses a run from uncommitted code; the runs it lets through are the same.
+_NOT_RESULTS = {
+    "resume",
+    "progress",
+    "wandb",
+    "batch",
+    "model.architecture",
+    "model.pip",
+    "model.assemble",
+    "provenance",
+}
 # Config keys added after results were written: dotted key -> the value that gives the old results.
 # Add an entry with every new result-affecting config key, so that complete runs stay resumable.
 ADDED_KEY_DEFAULTS: dict[str, object] = {

@@ -1,16 +1,15 @@
 """Run directory storage: atomic writes of config, metrics and per-token results.
 
-A run directory holds ``config.yaml``, ``token_nll.parquet`` and ``metrics.json``. ``metrics.json`` is
-written last and marks the run as complete. This module knows nothing of policies or models.
+A run directory holds ``config.yaml``, ``token_nll.parquet`` and ``metrics.json``, and ``code.diff`` when
+it ran from uncommitted code (rmm/provenance.py). ``metrics.json`` is written last and marks the run as
+complete. This module knows nothing of policies or models.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import hashlib
 import json
 import os
-import platform
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from rmm.files import atomic_path, atomic_write_text
+from rmm import provenance
+from rmm.files import atomic_path, atomic_write_bytes, atomic_write_text
+from rmm.provenance import DIFF_FILE, PACKAGES, package_versions
+
+__all__ = ["DIFF_FILE", "PACKAGES", "package_versions"]  # re-exported: they lived here before provenance.py
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.json"
@@ -37,9 +40,6 @@ TOKEN_SCHEMA = pa.schema(
         ("segment", pa.string()),  # controlled-reuse label of x_p; null for plain text
     ]
 )
-
-PACKAGES = ("torch", "transformers", "datasets", "hydra-core", "wandb", "numpy", "pandas")
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _json_default(value: Any) -> Any:
@@ -65,20 +65,36 @@ def _tokens_table(tokens: pd.DataFrame) -> pa.Table:
 
 
 def write_run(
-    run_dir: str | Path, config: Mapping[str, Any], metrics: Mapping[str, Any], tokens: pd.DataFrame
+    run_dir: str | Path,
+    config: Mapping[str, Any],
+    metrics: Mapping[str, Any],
+    tokens: pd.DataFrame,
+    code_diff: bytes | None = None,
 ) -> None:
-    """Write a complete run: config.yaml, token_nll.parquet, then metrics.json (the completion marker).
+    """Write a complete run: config.yaml, token_nll.parquet, code.diff (when ``code_diff`` is not empty:
+    the uncommitted code it ran with), then metrics.json (the completion marker).
 
-    Any earlier ``metrics.json`` is removed first, so a rewrite interrupted midway leaves the run incomplete.
+    Any earlier ``metrics.json`` and ``code.diff`` are removed first, so a rewrite interrupted midway leaves
+    the run incomplete, and one from a clean tree leaves no stale diff. Where ``metrics`` holds
+    ``code_diff_sha256`` it must be the hash of ``code_diff`` (None for none).
     """
     run_dir = Path(run_dir)
+    expected = hashlib.sha256(code_diff).hexdigest() if code_diff else None
+    if "code_diff_sha256" in metrics and metrics["code_diff_sha256"] != expected:
+        raise ValueError(
+            f"metrics' code_diff_sha256 {metrics['code_diff_sha256']} is not the hash of the code diff "
+            f"given ({expected})"
+        )
+    table = _tokens_table(tokens)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
-    table = _tokens_table(tokens)
+    (run_dir / DIFF_FILE).unlink(missing_ok=True)
     plain_config = json.loads(json.dumps(dict(config), default=_json_default))  # tuples, numpy, paths
     atomic_write_text(run_dir / CONFIG_FILE, yaml.safe_dump(plain_config, sort_keys=False))
     with atomic_path(run_dir / TOKENS_FILE) as tmp:
         pq.write_table(table, tmp)
+    if code_diff:
+        atomic_write_bytes(run_dir / DIFF_FILE, code_diff)
     atomic_write_text(
         run_dir / METRICS_FILE, json.dumps(dict(metrics), indent=2, default=_json_default) + "\n"
     )
@@ -115,38 +131,17 @@ def read_tokens(run_dir: str | Path) -> pd.DataFrame:
     return frame
 
 
-def _git(*args: str) -> str:
-    result = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True, timeout=30
-    )
-    return result.stdout.strip()
-
-
 def git_revision() -> str:
-    """``git rev-parse HEAD`` of this checkout, with ``-dirty`` for uncommitted changes to tracked files.
-
-    Returns ``"unknown"`` outside a git checkout or without git.
-    """
-    try:
-        revision = _git("rev-parse", "HEAD")
-        dirty = _git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{revision}-dirty" if dirty else revision
+    """``git rev-parse HEAD`` of this checkout as it is now, with ``-dirty`` for uncommitted code (tracked
+    changes, or untracked files under rmm/, studies/, checks/, conf/, run.py); ``"unknown"`` outside a git
+    checkout or without git. A run records the revision its process captured at start instead
+    (:func:`environment_info`)."""
+    return provenance.read().git_revision
 
 
-def package_versions() -> dict[str, str | None]:
-    """Installed versions of the packages that shape results (None where not installed), and Python's."""
-    versions: dict[str, str | None] = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    versions["python"] = platform.python_version()
-    return versions
-
-
-def environment_info() -> dict[str, Any]:
-    """``{"git_revision": str, "package_versions": dict}``, ready to merge into a run's metrics."""
-    return {"git_revision": git_revision(), "package_versions": package_versions()}
+def environment_info(device: Any = None) -> dict[str, Any]:
+    """What a run's ``metrics.json`` records of its code and machine, ready to merge into its metrics:
+    ``git_revision``, ``code_dirty``, ``code_diff_sha256``, ``package_versions`` as this process captured
+    them at its start (:func:`rmm.provenance.capture`), and ``cpu_capability``, ``torch_threads`` and
+    ``device_name`` (for a CUDA ``device``) now."""
+    return {**provenance.capture().metrics(), **provenance.runtime_info(device)}

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rmm import files, storage
+from rmm import files, provenance, storage
 from rmm.analysis.collect import collect
 from rmm.storage import (
     atomic_write_text,
@@ -167,8 +167,10 @@ def test_write_run_rejects_missing_token_columns(tmp_path: Path) -> None:
     assert not run_is_complete(tmp_path / "run")
 
 
-def test_environment_info_of_this_checkout() -> None:
+def test_environment_info_of_this_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(provenance, "_captured", None)  # captured now, not earlier in the session
     info = environment_info()
+    assert {"code_dirty", "code_diff_sha256", "cpu_capability", "torch_threads", "device_name"} <= set(info)
     versions = info["package_versions"]
     assert set(versions) == PACKAGES
     assert versions["python"] == platform.python_version()
@@ -188,10 +190,10 @@ def test_git_revision_clean_dirty_and_unknown(tmp_path: Path, monkeypatch: pytes
     subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     revision = head.stdout.strip()
-    monkeypatch.setattr(storage, "REPO_ROOT", repo)
+    monkeypatch.setattr(provenance, "REPO_ROOT", repo)
     (repo / "untracked.txt").write_text("ignored for dirtiness")
     assert storage.git_revision() == revision
     (repo / "file.txt").write_text("two")
     assert storage.git_revision() == f"{revision}-dirty"
-    monkeypatch.setattr(storage, "REPO_ROOT", tmp_path / "not_a_repo")
+    monkeypatch.setattr(provenance, "REPO_ROOT", tmp_path / "not_a_repo")
     assert storage.git_revision() == "unknown"

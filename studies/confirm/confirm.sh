@@ -5,6 +5,9 @@
 # 8 plays x 8192 tokens) into results/cpu/confirm/natural2048 and natural8k; then the verdict table
 # (studies/confirm/confirm.py) and the natural-text tables into results/cpu/confirm/.
 # Resumable across sittings: complete runs are skipped, so the same command continues where it stopped.
+# Registered: its presets set provenance.require_clean=true, so a run that would be written from uncommitted
+# code is refused before its model loads and the sweep stops (commit or stash, or run from a clean worktree:
+# git worktree add ../rmm-clean HEAD, then in it: PY=/path/to/.venv/bin/python bash studies/confirm/confirm.sh).
 #   make confirm                                  # or: bash studies/confirm/confirm.sh [extra Hydra overrides]
 # PY selects the interpreter (default .venv/bin/python); CONFIRM_MODELS the models (default both);
 # CONFIRM_CELLS a subset of the cells (space-separated names); CONFIRM_STAGES the stages (default "cells natural");
