@@ -111,9 +111,10 @@ class StreamingEngine:
         self.rotary = Rotary(model).to(self.device)
         if not self.rotary.candidates and selfcheck.moves_positions(self.plan):
             raise UnsupportedModelError(
-                f"{integration.describe(model)} has no rotary position embedding (no `inv_freq` buffer), so "
-                f"its keys cannot move to other positions, which positions={positions} with policy "
-                f"{policy.name} needs; use positions=original with a policy that reads no keys or queries"
+                f"{integration.describe(model)} has no rotary position embedding (no `inv_freq` buffer, nor "
+                "a sin/cos table in a rotary module), so its keys cannot move to other positions, which "
+                f"positions={positions} with policy {policy.name} needs; use positions=original with a "
+                "policy that reads no keys or queries"
             )
         self.max_positions = None if self.rotary.candidates else dims["max_position_embeddings"]
         # model constants a policy may declare in `needs`, read once and handed to every observation

@@ -9,10 +9,15 @@ rotating by ``-p`` recovers the unrotated (pre-RoPE) key.
 
 Each layer has one :class:`Rotation`. The defaults are read from the model: the ``*inv_freq`` buffers
 of its rotary modules, one per layer type where the model keeps one per type (Gemma 3's sliding and
-global layers), ``half`` pairing. :meth:`Rotary.calibrate` then checks every layer against the model's
+global layers), ``half`` pairing. A rotary module (``rotary`` or ``rope`` in its name or class) that
+keeps a precomputed sin/cos table instead (GPT-J's and CodeGen's ``embed_positions``, row p
+``[sin(p * inv_freq), cos(p * inv_freq)]``) gives the frequencies that reproduce its table
+(:func:`table_frequencies`); an additive sinusoidal position table outside a rotary module (CTRL's
+``pos_encoding``) is no rotation. :meth:`Rotary.calibrate` then checks every layer against the model's
 own rotation (keys the model produced at positions p and p + delta) and picks, per layer, the
-candidate the model actually uses (any frequency buffer, either pairing, or none); a layer that no
-candidate reproduces is refused (:mod:`rmm.selfcheck` runs it before a stream).
+candidate the model actually uses (any frequency buffer, either pairing, or none: GPT-J and CodeGen
+rotate the interleaved pairs of their first ``rotary_dim`` channels); a layer that no candidate
+reproduces is refused (:mod:`rmm.selfcheck` runs it before a stream).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from rmm.models import UnsupportedModelError
 
 _BUFFER = re.compile(r"^(?:(?P<kind>\w+?)_)?inv_freq$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_ROTARY_MODULE = re.compile(r"rotary|rope", re.IGNORECASE)  # a rotary module, by its name or its class
 
 # cos and sin of a rotation, per distinct rotation in use: rotation index -> ([..., P, half] each)
 Table = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -68,8 +74,10 @@ class Rotary:
     def __init__(self, model: PreTrainedModel):
         n_layers = model.config.get_text_config().num_hidden_layers
         # no candidate: a model without rotary positions (learned absolute positions), whose keys cannot
-        # move to other positions (the engine then refuses what would need it)
-        self.candidates, defaults = _candidates(model, n_layers)
+        # move to other positions (the engine then refuses what would need it). max_positions: the positions
+        # the model's rotary sin/cos tables cover, past which its own forward fails (None: frequencies,
+        # which cover every position)
+        self.candidates, defaults, self.max_positions = _candidates(model, n_layers)
         self.layers: list[Rotation] = defaults or [_NONE] * n_layers  # the rotation of each layer
 
     @property
@@ -171,20 +179,73 @@ def _error(rotation: Rotation, before: torch.Tensor, after: torch.Tensor, delta:
     return float((moved - after).norm() / after.norm().clamp_min(1e-12))
 
 
-def _candidates(model: PreTrainedModel, n_layers: int) -> tuple[list[Rotation], list[Rotation]]:
-    """The model's frequency buffers as rotations, and each layer's default: the buffer of its own
-    rotary module (``layers.<i>.``) or of its layer type (``<type>_inv_freq``), else the first."""
+def table_frequencies(table: torch.Tensor) -> torch.Tensor | None:
+    """The inverse frequencies [k] of a sin/cos table [P, 2k] whose row p is ``[sin(p * f), cos(p * f)]``
+    (or ``[cos, sin]``), as GPT-J's and CodeGen's ``create_sinusoidal_positions`` builds it; None when
+    ``table`` is no such table (or has fewer than 2 rows).
+
+    ``f`` is read from row 1 (``atan2``; exact for ``|f| < pi``) and refined on the last row checked, and
+    must reproduce every row checked (the first :data:`_TABLE_ROWS`) within :data:`_TABLE_TOLERANCE`.
+    """
+    if table.ndim != 2 or not table.is_floating_point() or table.shape[0] < 2 or table.shape[1] % 2:
+        return None
+    k = table.shape[1] // 2
+    zero = table[0].detach().double().cpu()  # row 0: sin 0 = 0, cos 0 = 1
+    zeros, ones = torch.zeros(k, dtype=torch.float64), torch.ones(k, dtype=torch.float64)
+    orders = [order for order in ((zeros, ones), (ones, zeros)) if _close(zero, torch.cat(order))]
+    if not orders:
+        return None
+    sin_first = orders[0][0] is zeros
+    rows = table.detach()[:_TABLE_ROWS].double().cpu()
+    sin, cos = (rows[:, :k], rows[:, k:]) if sin_first else (rows[:, k:], rows[:, :k])
+    freq = torch.atan2(sin[1], cos[1])
+    last = rows.shape[0] - 1
+    if last > 1:  # refine on the last row: its angle, unwrapped by the estimate, over its position
+        angle = torch.atan2(sin[last], cos[last])
+        turns = torch.round((last * freq - angle) / (2 * torch.pi))
+        freq = (angle + 2 * torch.pi * turns) / last
+    angles = torch.arange(rows.shape[0], dtype=torch.float64)[:, None] * freq
+    return freq.float() if _close(angles.sin(), sin) and _close(angles.cos(), cos) else None
+
+
+def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return bool((x - y).abs().max() <= _TABLE_TOLERANCE)
+
+
+# the rows of a sin/cos table checked (past them fp32 rounding of p * f grows past the tolerance)
+_TABLE_ROWS = 4096
+_TABLE_TOLERANCE = 1e-3
+
+
+def _candidates(model: PreTrainedModel, n_layers: int) -> tuple[list[Rotation], list[Rotation], int | None]:
+    """The model's frequency buffers (``*inv_freq``, or the frequencies of a rotary module's sin/cos table:
+    :func:`table_frequencies`) as rotations, and each layer's default: the buffer of its own rotary module
+    (``layers.<i>.``) or of its layer type (``<type>_inv_freq``), else the first without a layer type; and
+    the positions the model's sin/cos tables cover (their fewest rows; None without a table)."""
     config = model.config.get_text_config()
     layer_types = list(getattr(config, "layer_types", None) or [])
     by_name: dict[str, Rotation] = {}
+    typed: set[str] = set()  # the names of the buffers of one layer type
     own: dict[int, Rotation] = {}
+    rows: list[int] = []  # of each sin/cos table read
     for module_name, module in model.named_modules():
         for buffer_name, buffer in module.named_buffers(recurse=False):
+            if "original" in buffer_name or buffer.numel() == 0:
+                continue
             match = _BUFFER.match(buffer_name)
-            if match is None or "original" in buffer_name or buffer.numel() == 0:
+            if match:
+                freq = buffer.detach().float().flatten()
+            elif _ROTARY_MODULE.search(f"{module_name} {type(module).__name__}"):
+                freq = table_frequencies(buffer)  # not an additive sinusoidal table (CTRL's pos_encoding)
+                rows += [buffer.shape[0]] if freq is not None else []
+            else:
+                continue
+            if freq is None:
                 continue
             name = f"{module_name}.{buffer_name}"
-            rotation = Rotation(name, buffer.detach().float().flatten())
+            if match and match.group("kind"):
+                typed.add(name)
+            rotation = Rotation(name, freq)
             if any(
                 r.rot_dim == rotation.rot_dim and torch.equal(r.inv_freq, rotation.inv_freq)
                 for r in by_name.values()
@@ -194,15 +255,12 @@ def _candidates(model: PreTrainedModel, n_layers: int) -> tuple[list[Rotation], 
             layer = _LAYER.search(f"{module_name}.")
             if layer is not None:
                 own[int(layer.group(1))] = rotation
-            elif match.group("kind"):
+            elif match and match.group("kind"):
                 for i, kind in enumerate(layer_types):
                     if kind == match.group("kind"):
                         own.setdefault(i, rotation)
     candidates = list({id(r): r for r in by_name.values()}.values())
     if not candidates:
-        return [], []
-    default = next(
-        (r for name, r in by_name.items() if _BUFFER.match(name.rsplit(".", 1)[-1]).group("kind") is None),
-        candidates[0],
-    )
-    return candidates, [own.get(i, default) for i in range(n_layers)]
+        return [], [], None
+    default = next((r for name, r in by_name.items() if name not in typed), candidates[0])
+    return candidates, [own.get(i, default) for i in range(n_layers)], min(rows, default=None)

@@ -9,9 +9,31 @@ same matrix as a table (docs/models.md).
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import record_max
 
-from rmm.architectures import PASSING, Row, causal_lm_types, classify, main, table, tiny_config
+from rmm.architectures import (
+    BUDGET,
+    CHUNK,
+    PASSING,
+    TOLERANCE,
+    Row,
+    _Case,
+    causal_lm_types,
+    classify,
+    engine_nll,
+    main,
+    own_nll,
+    stream_tokens,
+    table,
+    tiny_config,
+    tiny_model,
+)
+from rmm.engine import StreamingEngine
+from rmm.models import UnsupportedModelError
+from rmm.policies import make_policy
+from rmm.reference import ReferenceSpec, reference_stream
+from rmm.rotary import Rotary, table_frequencies
 
 TYPES = causal_lm_types()
 # the architectures the harness is documented to support: the matrix must find them exact
@@ -49,3 +71,51 @@ def test_the_table_is_sorted_and_counted(tmp_path, capsys):
     out = tmp_path / "matrix.md"
     assert main(["--types", "gpt2", "--out", str(out)]) == 0
     assert "| gpt2 | refused |" in out.read_text() and "--types gpt2" in out.read_text()
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "codegen"])
+def test_sin_cos_table_rotary_moves_keys_exactly(model_type):
+    """GPT-J and CodeGen keep their rotary positions as a sin/cos table (``embed_positions``, no
+    ``inv_freq`` buffer) and rotate the interleaved pairs of their first ``rotary_dim`` channels: the
+    harness reads the frequencies from the table, the self-check picks the interleaved pairing, and
+    ``positions=cache`` matches the reference (told the same partial rotary) token by token."""
+    model = tiny_model(model_type)
+    config, tokens = model.config, stream_tokens(model)
+    rotary = Rotary(model)
+    dim = config.rotary_dim
+    assert [r.name for r in rotary.candidates] == ["transformer.rotary_emb.embed_positions"]
+    expected = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    torch.testing.assert_close(rotary.layers[0].inv_freq.double(), expected, rtol=1e-6, atol=0)
+    assert rotary.max_positions == config.max_position_embeddings  # past its table the model fails
+    engine = StreamingEngine(
+        model, make_policy({"name": "h2o"}, budget=BUDGET, chunk=CHUNK), positions="cache"
+    )
+    engine.self_check(tokens)
+    assert {name for name, _ in engine.checked.rotations.values()} == {
+        "transformer.rotary_emb.embed_positions/interleaved"
+    }
+    # the reference reads partial rotary as a fraction of the head (GPT-J names it rotary_dim)
+    config.partial_rotary_factor = dim / (config.n_embd // config.n_head)
+    own = own_nll(model, tokens)
+    for policy in ("h2o", "window"):
+        got = engine_nll(model, tokens, _Case("", policy, BUDGET, CHUNK, "cache", "reference"))
+        spec = ReferenceSpec(policy=policy, budget=BUDGET, chunk=CHUNK, positions="cache")
+        assert float((got - reference_stream(model, tokens, spec)[0]).abs().max()) <= TOLERANCE
+        assert float((got - own).abs().max()) > 0.1  # the budget binds
+
+
+def test_an_additive_sinusoidal_table_is_no_rotation():
+    """CTRL adds a sin/cos table to its embeddings (``pos_encoding``, outside a rotary module): no rotation,
+    so positions=cache is refused as for learned positions. A table is read in either order and only
+    when every row is sin and cos of one frequency times the position."""
+    ctrl = tiny_model("ctrl")
+    assert Rotary(ctrl).candidates == []
+    with pytest.raises(UnsupportedModelError, match="no rotary position embedding"):
+        StreamingEngine(ctrl, make_policy({"name": "h2o"}, budget=BUDGET, chunk=CHUNK), positions="cache")
+    assert Rotary(tiny_model("llama")).max_positions is None  # frequencies cover every position
+    angles = torch.arange(50.0)[:, None] * torch.tensor([1.0, 0.1, 0.01])
+    assert torch.allclose(table_frequencies(torch.cat([angles.sin(), angles.cos()], 1)), angles[1])
+    assert torch.allclose(table_frequencies(torch.cat([angles.cos(), angles.sin()], 1)), angles[1])
+    noisy = torch.cat([angles.sin(), angles.cos()], 1)
+    noisy[30, 0] += 0.01
+    assert table_frequencies(noisy) is None and table_frequencies(torch.randn(50, 6)) is None
