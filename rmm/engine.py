@@ -20,7 +20,16 @@ from rmm import integration, selfcheck
 from rmm.memory import SlotMemory, record_gradients
 from rmm.models import UnsupportedModelError, describe_model
 from rmm.policies import Observation, Policy, ScorePolicy
-from rmm.policies.select import SCOPES, adaptive_floor, capacities, check_allocation, rule_keep, select
+from rmm.policies.select import (
+    SCOPES,
+    adaptive_floor,
+    capacities,
+    check_allocation,
+    decision_margin,
+    kept_digest,
+    rule_keep,
+    select,
+)
 from rmm.recording import RecordingPlan, check_positions, recording_plan
 from rmm.rotary import Rotary
 from rmm.selfcheck import SelfCheck
@@ -43,6 +52,13 @@ class StreamResult:
 
     nll : [n - 1] float32, -log p(x_{p} | query p-1) for p = 1..n-1.
     correct : [n - 1] bool, argmax of query p-1 equals x_p.
+    margin : [n - 1] float32, top-1 minus top-2 log-probability of query p-1: how near ``correct`` was
+        to flipping (:mod:`rmm.divergence`).
+    boundaries : [K] long, the positions ``now`` of a score-based policy's K decisions.
+    decisions : [K, L, H] float32, each decision's relative margin per (layer, KV head)
+        (:func:`rmm.policies.select.decision_margin`); K = 0 for a position rule.
+    digests : [K, L, H] int64, a fingerprint of the set each decision kept per (layer, KV head)
+        (:func:`~rmm.policies.select.kept_digest`).
     """
 
     nll: torch.Tensor
@@ -50,6 +66,10 @@ class StreamResult:
     attended_total: float
     evicted_age_sum: float
     evicted_count: int
+    margin: torch.Tensor | None = None
+    boundaries: torch.Tensor | None = None
+    decisions: torch.Tensor | None = None
+    digests: torch.Tensor | None = None
 
 
 class StreamingEngine:
@@ -116,7 +136,9 @@ class StreamingEngine:
                 f"positions={positions} with policy {policy.name} needs; use positions=original with a "
                 "policy that reads no keys or queries"
             )
-        self.max_positions = None if self.rotary.candidates else dims["max_position_embeddings"]
+        # the positions a stream may reach: learned absolute positions, or a rotary sin/cos table's rows
+        learned = dims["max_position_embeddings"]
+        self.max_positions = self.rotary.max_positions if self.rotary.candidates else learned
         # model constants a policy may declare in `needs`, read once and handed to every observation
         self.constants: dict[str, object] = {}
         if "output_projection" in getattr(policy, "needs", ()):
@@ -129,9 +151,10 @@ class StreamingEngine:
         """Check the engine on this model before the first scored token (:func:`rmm.selfcheck.self_check`)
         with a probe from ``tokens`` [n] (the longest stream to come); refuses the model on a mismatch."""
         if self.max_positions is not None and tokens.numel() > self.max_positions:
+            what = "a rotary sin/cos table of" if self.rotary.candidates else "learned positions up to"
             raise UnsupportedModelError(
-                f"{integration.describe(self.model)} has learned absolute positions up to "
-                f"{self.max_positions}, but a stream has {tokens.numel()} tokens; cut the documents "
+                f"{integration.describe(self.model)} has {what} {self.max_positions} positions, but a stream "
+                f"has {tokens.numel()} tokens; cut the documents "
                 f"(dataset.max_tokens<={self.max_positions}, or max_tokens=)"
             )
         if self.checked is None:
@@ -278,7 +301,11 @@ class StreamingEngine:
             scores = policy.score(memory.state_view(), obs, stop)
             if hooks.before_boundary is not None:
                 hooks.before_boundary(memory, obs, stop, scores)
-            keep = select(scores, key_pos, valid, self.capacity, self.scope, policy.scope_reduce, self.floor)
+            how = (self.scope, policy.scope_reduce, self.floor)
+            keep = select(scores, key_pos, valid, self.capacity, *how)
+            stream.decided(
+                stop, decision_margin(scores, key_pos, valid, keep, *how), kept_digest(keep, key_pos)
+            )
         else:
             keep = rule_keep(plan.rule, stop, key_pos)
             if plan.exempt:  # layers the rule leaves alone keep what their window shows
@@ -326,8 +353,13 @@ class _Stream:
         self.step = 0
         self.nll = torch.empty(n - 1, device=engine.device)
         self.correct = torch.empty(n - 1, dtype=torch.bool, device=engine.device)
+        self.margin = torch.empty(n - 1, device=engine.device)
+        self.boundaries: list[int] = []
+        self.decisions: list[torch.Tensor] = []  # [L, H] per decision, kept on the device until the end
+        self.digests: list[torch.Tensor] = []  # [L, H] int64 per decision, likewise
+        self.heads = engine.shape[:2]
         self.attended, self.age_sum, self.n_evicted, self.wall_s = 0.0, 0.0, 0, 0.0
-        self._scored: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def done(self) -> bool:
@@ -353,22 +385,42 @@ class _Stream:
         targets = self.tokens[start + 1 : start + 1 + n_scored]
         log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
         token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
-        self._scored = (token_nll, log_probs.detach().argmax(dim=-1) == targets)
+        top = log_probs.detach().topk(2, dim=-1)  # the argmax and its margin over the runner-up
+        self._scored = (token_nll, top.indices[:, 0] == targets, top.values[:, 0] - top.values[:, 1])
         return token_nll.sum() if n_scored else None
 
     def record(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the NLL and correctness [Q'] of the scored chunk starting at ``start`` (Q' scored queries)
-        and return them."""
+        """Store the NLL, correctness and its margin [Q'] of the scored chunk starting at ``start`` (Q' scored
+        queries) and return the NLL and correctness."""
         assert self._scored is not None
-        token_nll, token_correct = self._scored[0].detach(), self._scored[1]
+        token_nll, token_correct, margin = self._scored[0].detach(), self._scored[1], self._scored[2]
         self._scored = None
         self.nll[start : start + token_nll.numel()] = token_nll
         self.correct[start : start + token_nll.numel()] = token_correct
+        self.margin[start : start + token_nll.numel()] = margin
         return token_nll, token_correct
 
+    def decided(self, now: int, margin: torch.Tensor, digest: torch.Tensor) -> None:
+        """Record the margin [L, H] and the kept sets' digest of the decision at boundary ``now``."""
+        self.boundaries.append(now)
+        self.decisions.append(margin)
+        self.digests.append(digest)
+
     def result(self) -> StreamResult:
+        decisions, digests = torch.empty(0, *self.heads), torch.empty(0, *self.heads, dtype=torch.long)
+        if self.decisions:
+            decisions = torch.stack(self.decisions).float().cpu()
+            digests = torch.stack(self.digests).cpu()
         return StreamResult(
-            self.nll.float().cpu(), self.correct.cpu(), self.attended, self.age_sum, self.n_evicted
+            self.nll.float().cpu(),
+            self.correct.cpu(),
+            self.attended,
+            self.age_sum,
+            self.n_evicted,
+            self.margin.float().cpu(),
+            torch.tensor(self.boundaries, dtype=torch.long),
+            decisions,
+            digests,
         )
 
 

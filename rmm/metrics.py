@@ -59,12 +59,21 @@ class RunTotals:
 def token_frame(
     doc_id: str, tokens: torch.Tensor, result: StreamResult, segments: np.ndarray | None = None
 ) -> pd.DataFrame:
-    """One row per token: nll and correct of predicting x_p from query p - 1 (null at p = 0), and the
-    segment label of x_p (``segments`` [n], null for plain text)."""
+    """One row per token: nll, correct and correct's margin of predicting x_p from query p - 1 (null at
+    p = 0), the segment label of x_p (``segments`` [n], null for plain text), and at a boundary p the
+    decision's margins and kept-set digests [L * H] (null where none was taken; rmm.divergence)."""
     n = tokens.numel()
     nll = pd.array([None, *result.nll.tolist()], dtype="Float32")
     correct = pd.array([None, *result.correct.tolist()], dtype="boolean")
     segment = pd.array([None] * n if segments is None else list(segments), dtype="string")
+    margin = pd.array([None] * n, dtype="Float32")
+    if result.margin is not None:
+        margin[1:] = result.margin.numpy()
+    decision, digest = [None] * n, [None] * n
+    if result.boundaries is not None and result.decisions is not None and result.digests is not None:
+        for k, now in enumerate(result.boundaries.tolist()):
+            decision[now] = result.decisions[k].flatten().numpy()
+            digest[now] = result.digests[k].flatten().numpy()
     return pd.DataFrame(
         {
             "doc_id": doc_id,
@@ -73,6 +82,9 @@ def token_frame(
             "nll": nll,
             "correct": correct,
             "segment": segment,
+            "margin": margin,
+            "decision_margins": pd.Series(decision, dtype="object"),
+            "decision_digests": pd.Series(digest, dtype="object"),
         }
     ).astype({"position": "int32", "token_id": "int32"})
 

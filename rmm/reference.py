@@ -141,7 +141,7 @@ def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
     ``layer_type`` where the config keeps them per layer type).
 
     Supports the rope types of the shipped models: ``default``, ``linear`` and ``llama3``, with partial
-    rotary (``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``).
+    rotary (``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``, GPT-J's and CodeGen's ``rotary_dim``).
     """
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     if layer_type is not None:
@@ -154,7 +154,7 @@ def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
     )
     n_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    dim = int(head_dim * partial)
+    dim = getattr(config, "rotary_dim", None) or int(head_dim * partial)
     inv_freq = [1.0 / theta ** (2 * i / dim) for i in range(dim // 2)]
     if rope_type == "default":
         return inv_freq

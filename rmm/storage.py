@@ -38,8 +38,20 @@ TOKEN_SCHEMA = pa.schema(
         ("nll", pa.float32()),
         ("correct", pa.bool_()),
         ("segment", pa.string()),  # controlled-reuse label of x_p; null for plain text
+        ("margin", pa.float32()),  # top-1 minus top-2 log-probability of query p - 1 (rmm.divergence)
+        # at a boundary p (null elsewhere), per (layer, KV head), layer-major: the decision's margin and
+        # a fingerprint of the set it kept (rmm.divergence)
+        ("decision_margins", pa.list_(pa.float32())),
+        ("decision_digests", pa.list_(pa.int64())),
     ]
 )
+# columns a token file may lack (written before they existed): their pandas dtypes
+NULLABLE_COLUMNS = {
+    "segment": "string",
+    "margin": "Float32",
+    "decision_margins": "object",
+    "decision_digests": "object",
+}
 
 
 def _json_default(value: Any) -> Any:
@@ -55,8 +67,9 @@ def _json_default(value: Any) -> Any:
 
 def _tokens_table(tokens: pd.DataFrame) -> pa.Table:
     """Cast the per-token frame to the ``token_nll.parquet`` schema (raises on missing columns)."""
-    if "segment" not in tokens.columns:
-        tokens = tokens.assign(segment=pd.array([None] * len(tokens), dtype="string"))
+    for name, dtype in NULLABLE_COLUMNS.items():
+        if name not in tokens.columns:
+            tokens = tokens.assign(**{name: pd.array([None] * len(tokens), dtype=dtype)})
     missing = [name for name in TOKEN_SCHEMA.names if name not in tokens.columns]
     if missing:
         raise ValueError(f"token frame lacks columns {missing}")
@@ -122,12 +135,16 @@ def read_config(run_dir: str | Path) -> dict[str, Any]:
 
 
 def read_tokens(run_dir: str | Path) -> pd.DataFrame:
-    """Load ``token_nll.parquet`` of a run; ``correct`` comes back as pandas' nullable boolean, ``segment``
-    as a nullable string (all null for plain text, and for files written before the column existed)."""
+    """Load ``token_nll.parquet`` of a run; ``correct`` comes back as pandas' nullable boolean, and the
+    :data:`NULLABLE_COLUMNS` as their nullable dtypes (all null where the file was written before the
+    column existed; ``segment`` is null for plain text)."""
     table = pq.read_table(Path(run_dir) / TOKENS_FILE)
     frame = table.to_pandas(types_mapper={pa.bool_(): pd.BooleanDtype()}.get)
-    segment = frame["segment"] if "segment" in frame.columns else [None] * len(frame)
-    frame["segment"] = pd.array(segment, dtype="string")
+    for name, dtype in NULLABLE_COLUMNS.items():
+        if name not in frame.columns:
+            frame[name] = pd.Series([None] * len(frame), dtype=dtype)
+        elif dtype != "object":
+            frame[name] = frame[name].astype(dtype)
     return frame
 
 

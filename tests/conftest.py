@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
+from rmm.divergence import Divergence, Trace, diverge
 from rmm.matrix import ARCHITECTURES, sampled_stream, tiny_model
 
 SENTENCES = [
@@ -31,7 +32,24 @@ def record_max(name: str, value: float) -> None:
     MEASURED[name] = (max(largest, value), count + 1)
 
 
+def assert_agree(a: Trace, b: Trace, where: str = "") -> Divergence:
+    """Two computations of one stream whose kernels may block differently (another batch, thread count,
+    CPU capability): equal to :data:`rmm.divergence.NLL_BOUND` per token until a near-tie flips, and
+    the first difference explained by one (:func:`rmm.divergence.diverge`). Returns the divergence."""
+    found = diverge(a, b)
+    record_max("per-token |dNLL| before any near-tie flips, fp32", found.max_before)
+    if found.first is not None:
+        MEASURED_FLIPS.append(f"{where}: {found.describe()}")
+    assert found.ok, f"{where}: {found.describe()}"
+    return found
+
+
+MEASURED_FLIPS: list[str] = []
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
+    for flip in MEASURED_FLIPS:
+        terminalreporter.write_line(f"near-tie flip: {flip}")
     for name, (largest, count) in sorted(MEASURED.items()):
         terminalreporter.write_line(f"measured: {name}: largest {largest:.2e} over {count} streams")
 

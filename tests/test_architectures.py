@@ -94,14 +94,15 @@ def test_sin_cos_table_rotary_moves_keys_exactly(model_type):
     assert {name for name, _ in engine.checked.rotations.values()} == {
         "transformer.rotary_emb.embed_positions/interleaved"
     }
-    # the reference reads partial rotary as a fraction of the head (GPT-J names it rotary_dim)
-    config.partial_rotary_factor = dim / (config.n_embd // config.n_head)
     own = own_nll(model, tokens)
     for policy in ("h2o", "window"):
         got = engine_nll(model, tokens, _Case("", policy, BUDGET, CHUNK, "cache", "reference"))
         spec = ReferenceSpec(policy=policy, budget=BUDGET, chunk=CHUNK, positions="cache")
         assert float((got - reference_stream(model, tokens, spec)[0]).abs().max()) <= TOLERANCE
         assert float((got - own).abs().max()) > 0.1  # the budget binds
+    too_long = torch.zeros(config.max_position_embeddings + 1, dtype=torch.long)
+    with pytest.raises(UnsupportedModelError, match="rotary sin/cos table of"):  # refused, not an IndexError
+        StreamingEngine(model, make_policy({"name": "h2o"}, budget=BUDGET, chunk=CHUNK)).self_check(too_long)
 
 
 def test_an_additive_sinusoidal_table_is_no_rotation():

