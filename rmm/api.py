@@ -295,6 +295,7 @@ def stream_metrics(
         "policy": policy.name,
         "budget": policy.budget,
         **policy.metric_fields(),
+        "score_digits": getattr(policy, "score_digits", None),  # what counts as a near-tie (rmm.divergence)
         "chunk": policy.chunk,
         "positions": engine.positions,
         "scope": engine.scope,

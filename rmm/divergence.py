@@ -11,12 +11,16 @@ the design guarantees three things, each with one bound stated here:
   orders of magnitude below the smallest effect the studies report (paired log ratios of 0.01).
 - :data:`TIE_MARGIN`: a decision is a near-tie when its relative margin (the gap between the lowest kept
   and the highest evicted score over their size, :func:`rmm.policies.select.decision_margin`) is below
-  1e-3. A score is a sum of attention probabilities or products of fp32 activations; rounding moves it
-  by about 1e-6 relative per term and a sum of thousands of terms by up to about 1e-4, so a decision
-  inside 1e-3 may go either way on another machine, and one outside it may not. A margin of exactly 0 is
-  an exact tie (bit-equal scores: zero utilities, integer scores, norms rounded to significant digits),
-  broken by recency alike on every machine, so it is no near-tie: a regression cannot hide behind the
-  exact ties some policies meet at every boundary.
+  1e-4. A score is a sum of attention probabilities or products of fp32 activations; rounding moves it
+  by about 1e-6 relative per term and a sum of thousands of terms by more, so a decision
+  inside it may go either way on another machine, and one outside it may not (measured: margins move by
+  at most 2.2e-5 between CPU kernel sets, ``python checks/capabilities.py``). A margin of exactly 0 is an
+  exact tie (bit-equal scores: zero utilities, integer scores), broken by recency alike on every machine,
+  so it is no near-tie: a regression cannot hide behind the exact ties some policies meet at every
+  boundary. A policy that compares its scores at d significant digits (``score_digits``: knorm, keydiff,
+  lagkv, rmm's gradient weight) turns rounding noise into exact ties, except where a score sits at a
+  rounding boundary: for it a near-tie is a margin within two units of the last digit, 2 x 10^(1 - d),
+  exact ties included (:func:`tie_margin`).
 - :data:`CORRECT_MARGIN`: ``correct`` (argmax == target) is a near-tie when the top-1 and top-2
   log-probabilities of the query differ by less than 1e-3 nats, ten times :data:`NLL_BOUND`.
 
@@ -38,7 +42,7 @@ import numpy as np
 import pandas as pd
 
 NLL_BOUND = 1e-4  # nats per token, fp32 (see the module docstring)
-TIE_MARGIN = 1e-3  # relative score gap of a decision
+TIE_MARGIN = 1e-4  # relative score gap of a decision
 CORRECT_MARGIN = 1e-3  # nats between the top-1 and top-2 log-probabilities
 
 
@@ -52,6 +56,7 @@ class Trace:
     kept : boundary -> what the decision kept per (layer, KV head), [L * H] comparable items: the retained
         sets where the caller recorded them (:func:`rmm.matrix.set_recorder`), else their digests
         (:func:`rmm.policies.select.kept_digest`). Both empty where not recorded (older run files).
+    score_digits : the digits at which the policy compared its scores (None: unrounded; :func:`tie_margin`).
     """
 
     nll: np.ndarray
@@ -59,6 +64,7 @@ class Trace:
     margin: np.ndarray | None = None
     decisions: dict[int, np.ndarray] = field(default_factory=dict)
     kept: dict[int, list] = field(default_factory=dict)
+    score_digits: int | None = None
 
     @classmethod
     def of(cls, result, sets: dict[int, list] | None = None) -> Trace:
@@ -78,11 +84,13 @@ class Trace:
             None if result.margin is None else result.margin.double().numpy(),
             decisions,
             kept,
+            result.score_digits,
         )
 
     @classmethod
-    def of_frame(cls, frame: pd.DataFrame) -> Trace:
-        """The trace of one document's rows of a ``token_nll.parquet`` (:func:`rmm.storage.read_tokens`)."""
+    def of_frame(cls, frame: pd.DataFrame, score_digits: int | None = None) -> Trace:
+        """The trace of one document's rows of a ``token_nll.parquet`` (:func:`rmm.storage.read_tokens`); the
+        run's ``score_digits`` are in its metrics."""
         rows = frame.sort_values("position")
         positions = rows["position"].tolist()
         decisions = {
@@ -97,6 +105,7 @@ class Trace:
             rows["margin"].to_numpy(np.float64, na_value=np.nan)[1:],
             decisions,
             kept,
+            score_digits,
         )
 
 
@@ -127,10 +136,18 @@ class Divergence:
         return f"{self.what}; {verdict}; agree before it (max |dNLL| {self.max_before:.2g})"
 
 
-def near_tie(margin: np.ndarray | float) -> np.ndarray | bool:
-    """Whether a decision's margin may flip with the rounding of another machine: 0 < margin < TIE_MARGIN
-    (0 is an exact tie, broken alike everywhere; NaN, not recorded, is no near-tie)."""
-    return (margin > 0) & (margin < TIE_MARGIN)
+def tie_margin(score_digits: int | None) -> float:
+    """The margin below which a decision is a near-tie: :data:`TIE_MARGIN`, or two units of the last digit
+    (2 x 10^(1 - d)) for scores compared at d significant digits."""
+    return TIE_MARGIN if score_digits is None else max(TIE_MARGIN, 2 * 10.0 ** (1 - score_digits))
+
+
+def near_tie(margin: np.ndarray | float, score_digits: int | None = None) -> np.ndarray | bool:
+    """Whether a decision's margin may flip with the rounding of another machine: 0 < margin <
+    :func:`tie_margin` (0, an exact tie, is broken alike everywhere; not so for rounded scores, where it may
+    be a rounding boundary's; NaN, not recorded, is no near-tie)."""
+    lowest = 0.0 if score_digits is not None else np.nextafter(0.0, 1.0)
+    return (margin >= lowest) & (margin < tie_margin(score_digits))
 
 
 def _margins(a: Trace, b: Trace, t: int) -> np.ndarray | None:
@@ -163,6 +180,7 @@ def diverge(a: Trace, b: Trace) -> Divergence:
         margin = min(margins, default=math.nan)
         cause = f"correct near-tie (margin {margin:.2g})" if margin < CORRECT_MARGIN else None
         events.append((i, f"correct of query {i} differs", cause))
+    digits = a.score_digits if a.score_digits is not None else b.score_digits
     seen = bool(a.kept) and bool(b.kept)
     if seen:
         differing = [t for t in sorted(set(a.kept) | set(b.kept)) if a.kept.get(t) != b.kept.get(t)]
@@ -171,7 +189,7 @@ def diverge(a: Trace, b: Trace) -> Divergence:
             heads = _differing_heads(a.kept.get(t), b.kept.get(t))
             margins = _margins(a, b, t)
             flipped = None if margins is None or heads is None else margins[heads]
-            near = flipped is not None and bool(np.all(near_tie(flipped)))
+            near = flipped is not None and bool(np.all(near_tie(flipped, digits)))
             count = "some" if heads is None else len(heads)
             what = f"the decision at boundary {t} kept other entries in {count} (layer, KV head)s"
             cause = f"near-tie decisions there (margins up to {flipped.max():.2g})" if near else None
@@ -182,7 +200,7 @@ def diverge(a: Trace, b: Trace) -> Divergence:
     first = math.ceil(time)
     if cause is None and not seen:
         unseen = sorted(t for t in set(a.decisions) | set(b.decisions) if t <= time)
-        unseen = [t for t in unseen if np.any(near_tie(_margins(a, b, t)))]
+        unseen = [t for t in unseen if np.any(near_tie(_margins(a, b, t), digits))]
         if unseen:
             t = unseen[0]
             cause = f"a near-tie decision at boundary {t} (margin {_margins(a, b, t).min():.2g}) before it"

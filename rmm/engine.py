@@ -59,6 +59,7 @@ class StreamResult:
         (:func:`rmm.policies.select.decision_margin`); K = 0 for a position rule.
     digests : [K, L, H] int64, a fingerprint of the set each decision kept per (layer, KV head)
         (:func:`~rmm.policies.select.kept_digest`).
+    score_digits : the significant digits at which the policy compared its scores (None: unrounded).
     """
 
     nll: torch.Tensor
@@ -70,6 +71,7 @@ class StreamResult:
     boundaries: torch.Tensor | None = None
     decisions: torch.Tensor | None = None
     digests: torch.Tensor | None = None
+    score_digits: int | None = None
 
 
 class StreamingEngine:
@@ -354,10 +356,10 @@ class _Stream:
         self.nll = torch.empty(n - 1, device=engine.device)
         self.correct = torch.empty(n - 1, dtype=torch.bool, device=engine.device)
         self.margin = torch.empty(n - 1, device=engine.device)
+        # per decision (at most one per chunk boundary), kept on the device until the end
         self.boundaries: list[int] = []
-        self.decisions: list[torch.Tensor] = []  # [L, H] per decision, kept on the device until the end
-        self.digests: list[torch.Tensor] = []  # [L, H] int64 per decision, likewise
-        self.heads = engine.shape[:2]
+        self.decisions = torch.empty(len(self.schedule), *engine.shape[:2], device=engine.device)
+        self.digests = torch.empty(self.decisions.shape, dtype=torch.long, device=engine.device)
         self.attended, self.age_sum, self.n_evicted, self.wall_s = 0.0, 0.0, 0, 0.0
         self._scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -401,16 +403,13 @@ class _Stream:
         return token_nll, token_correct
 
     def decided(self, now: int, margin: torch.Tensor, digest: torch.Tensor) -> None:
-        """Record the margin [L, H] and the kept sets' digest of the decision at boundary ``now``."""
+        """Record the margin [L, H] and the kept sets' digests [L, H] of the decision at boundary ``now``."""
+        self.decisions[len(self.boundaries)] = margin
+        self.digests[len(self.boundaries)] = digest
         self.boundaries.append(now)
-        self.decisions.append(margin)
-        self.digests.append(digest)
 
     def result(self) -> StreamResult:
-        decisions, digests = torch.empty(0, *self.heads), torch.empty(0, *self.heads, dtype=torch.long)
-        if self.decisions:
-            decisions = torch.stack(self.decisions).float().cpu()
-            digests = torch.stack(self.digests).cpu()
+        k = len(self.boundaries)
         return StreamResult(
             self.nll.float().cpu(),
             self.correct.cpu(),
@@ -419,8 +418,9 @@ class _Stream:
             self.n_evicted,
             self.margin.float().cpu(),
             torch.tensor(self.boundaries, dtype=torch.long),
-            decisions,
-            digests,
+            self.decisions[:k].float().cpu(),
+            self.digests[:k].cpu(),
+            getattr(self.policy, "score_digits", None),
         )
 
 

@@ -709,9 +709,11 @@ def _rmm_observe(spec: ReferenceSpec, record: dict, t: int) -> None:
 
 
 def _rmm(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
-    """The accumulated utility; the provisional buffer (the last H positions) kept."""
+    """The accumulated utility (the gradient utility at SCORE_DIGITS significant digits); the provisional
+    buffer (the last H positions) kept."""
     utility = record["utility"][layer][h]
-    return _recent({j: utility.get(j, 0.0) for j in candidates}, now, spec.lag)
+    digits = _significant if spec.weight == "gradient" else float
+    return _recent({j: digits(utility.get(j, 0.0)) for j in candidates}, now, spec.lag)
 
 
 def _tova(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:

@@ -45,8 +45,19 @@ def test_the_types_come_from_the_registry():
     assert "bart" not in TYPES  # encoder-decoder types are left out
 
 
-@pytest.mark.slow  # about 130 s single-threaded for the whole registry (docs/testing.md)
-@pytest.mark.parametrize("model_type", TYPES)
+# one type per attention family, in the fast suite (`make test`); the whole registry is slow (about 130 s
+# single-threaded; `make test-all`): rotate_half RoPE with GQA, partial rotary, sliding and global layers,
+# soft-capping, k-norm, a sin/cos table with interleaved pairing, interleaved inv_freq, NoPE layers, learned
+# absolute positions, sinks, MoE; and the refused: no attention switch, latent attention, hybrid recurrent
+FAMILIES = (
+    "llama", "gpt_neox", "gemma3_text", "gemma2", "qwen3", "gptj", "cohere", "smollm3", "gpt2", "gpt_oss",
+    "mixtral", "falcon", "deepseek_v3", "qwen3_next",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model_type", [pytest.param(t, marks=[pytest.mark.slow] * (t not in FAMILIES)) for t in TYPES]
+)
 def test_an_architecture_is_exact_or_refused(model_type):
     row = classify(model_type)
     assert row.status in PASSING, f"{model_type}: {row.status}: {row.reason}"

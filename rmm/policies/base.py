@@ -217,6 +217,12 @@ class ScorePolicy(Policy):
         return 0
 
     @property
+    def score_digits(self) -> int | None:
+        """The significant digits at which the scores are compared (:func:`significant`), None where they
+        are compared unrounded; it sets what counts as a near-tie decision (:mod:`rmm.divergence`)."""
+        return None
+
+    @property
     def lookback(self) -> int:
         """How many positions behind the previous boundary :meth:`observe` reads entries' keys or values
         (0: only what the chunk attended). A layer whose own window hides entries sooner is refused."""

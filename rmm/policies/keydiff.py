@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rmm.policies.base import Observation, ScorePolicy, check_variant, register, significant
+from rmm.policies.base import SCORE_DIGITS, Observation, ScorePolicy, check_variant, register, significant
 
 
 @register
@@ -35,6 +35,10 @@ class KeyDiff(ScorePolicy):
     @property
     def cached_keys(self) -> bool:
         return self.variant == "kvpress"
+
+    @property
+    def score_digits(self) -> int | None:
+        return None if self.variant == "kvpress" else SCORE_DIGITS
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         valid = (obs.key_pos >= 0).double()[..., None]  # [L, H, S, 1]

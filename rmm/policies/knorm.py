@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import Observation, ScorePolicy, check_variant, register, significant
+from rmm.policies.base import SCORE_DIGITS, Observation, ScorePolicy, check_variant, register, significant
 
 
 @register
@@ -28,6 +28,10 @@ class KNorm(ScorePolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_variant(self.variant)
+
+    @property
+    def score_digits(self) -> int | None:
+        return None if self.variant == "kvpress" else SCORE_DIGITS
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         norm = torch.linalg.vector_norm(obs.keys.double(), dim=-1)

@@ -36,6 +36,7 @@ import torch
 
 from rmm.policies.base import (
     NEVER,
+    SCORE_DIGITS,
     Observation,
     ScorePolicy,
     check_protected,
@@ -107,6 +108,10 @@ class LagKV(ScorePolicy):
         window = torch.gather(position_order(obs.key_pos), -1, first_slot)
         total = _spread_softmax(obs.keys, window, size) + _spread_softmax(obs.values, window, size)
         state["lag_score"].scatter_(-1, window[..., : (stop - first) * size], total)
+
+    @property
+    def score_digits(self) -> int | None:
+        return None if self.variant == "kvpress" else SCORE_DIGITS
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         if self.variant == "kvpress":

@@ -12,6 +12,10 @@ chunk through their hidden states. ``after_commit=accumulate`` keeps summing aft
 sums only queries s in [j, j + H]. With ``uniform`` and ``accumulate``, rmm with lag H is exactly h2o
 with r = H.
 
+The gradient utility is a difference of two nearly equal products summed over many queries, so its last
+digits depend on how the kernels block the sums (thread count, CPU): its utilities are compared at
+``SCORE_DIGITS`` significant digits (as knorm's norms are), and ties go to the more recent position.
+
 ``lag`` has no default here: the one default is the top-level ``lag`` of ``conf/config.yaml``, which
 ``conf/policy/rmm.yaml`` forwards (so ``python run.py policy=rmm lag=64`` works).
 """
@@ -22,11 +26,13 @@ from typing import Any
 import torch
 
 from rmm.policies.base import (
+    SCORE_DIGITS,
     Observation,
     ScorePolicy,
     check_protected,
     protect_recent,
     register,
+    significant,
     weighted_attention,
 )
 
@@ -61,6 +67,10 @@ class RMM(ScorePolicy):
     def protected(self) -> int:
         return self.lag
 
+    @property
+    def score_digits(self) -> int | None:
+        return SCORE_DIGITS if self.weight == "gradient" else None
+
     def metric_fields(self) -> dict[str, Any]:
         return {"lag": self.lag}
 
@@ -78,4 +88,7 @@ class RMM(ScorePolicy):
         state["utility"] += weighted_attention(contribution, weight)
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
-        return protect_recent(state["utility"].clone(), obs.key_pos, now, self.lag)
+        utility = state["utility"].clone()
+        if self.weight == "gradient":  # compared at a stated precision (the module docstring)
+            utility = significant(utility)
+        return protect_recent(utility, obs.key_pos, now, self.lag)
