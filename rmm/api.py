@@ -46,20 +46,23 @@ class Evaluation:
     tokens : one row per token of every document: doc_id, position, token_id, nll, correct, segment
         (the columns of ``token_nll.parquet``).
     config : the arguments that produced it (written as ``config.yaml`` by :meth:`save`).
+    code_diff : the uncommitted code the process started with (``code.diff``; b"" when clean, None unknown).
     """
 
     metrics: dict[str, Any]
     tokens: pd.DataFrame
     config: dict[str, Any] = field(default_factory=dict)
+    code_diff: bytes | None = None
 
     @property
     def ppl(self) -> float:
         return float(self.metrics["ppl"])
 
     def save(self, run_dir: str | Path) -> Path:
-        """Write ``config.yaml``, ``metrics.json`` and ``token_nll.parquet`` (atomically) into ``run_dir``."""
+        """Write ``config.yaml``, ``metrics.json``, ``token_nll.parquet`` and, from uncommitted code,
+        ``code.diff`` (atomically) into ``run_dir``."""
         run_dir = Path(run_dir)
-        write_run(run_dir, self.config, self.metrics, self.tokens)
+        write_run(run_dir, self.config, self.metrics, self.tokens, code_diff=self.code_diff)
         return run_dir
 
 
@@ -109,7 +112,7 @@ def evaluate(
     -------
     Evaluation with ``ppl``, ``metrics``, ``tokens`` and ``save(dir)``.
     """
-    provenance.capture()  # the code as this process found it: later edits are not attributed to its runs
+    code = provenance.capture()  # the code as this process found it: later edits are not attributed to it
     docs = _documents(texts, tokenizer, token_ids, documents, max_tokens)
     if isinstance(policy, Policy):
         if policy_params:
@@ -146,7 +149,9 @@ def evaluate(
         "oracle": {"tau": oracle_tau, "context": oracle_context},
         "model": getattr(model.config, "name_or_path", None) or type(model).__name__,
     }
-    return Evaluation(metrics, tokens, config)
+    device = next(model.parameters()).device
+    metrics = {**metrics, **code.metrics(), **provenance.runtime_info(device)}
+    return Evaluation(metrics, tokens, config, code.diff)
 
 
 def load_model(

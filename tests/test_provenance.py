@@ -230,3 +230,18 @@ def test_run_py_stops_a_registered_sweep_from_a_dirty_tree(background: subproces
         assert not [p for p in sweep_dir.rglob("*") if "tova" in p.name]  # the second job never started
     finally:
         shutil.rmtree(sweep_dir, ignore_errors=True)
+
+
+def test_evaluate_records_the_code_and_save_writes_its_diff(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rmm.evaluate, the library's path, records the same provenance as a run and saves code.diff."""
+    import rmm
+    from rmm.matrix import sampled_stream, tiny_model
+
+    monkeypatch.setattr(provenance, "_captured", DIRTY)
+    model = tiny_model("llama")
+    result = rmm.evaluate(model, token_ids=[sampled_stream(model, 12)], policy="window", budget=4, chunk=2)
+    assert result.metrics["code_diff_sha256"] == DIRTY.diff_sha256 and result.metrics["cpu_capability"]
+    run_dir = result.save(tmp_path / "run")
+    assert (run_dir / DIFF_FILE).read_bytes() == DIFF and read_metrics(run_dir) == result.metrics
