@@ -973,7 +973,9 @@ def _output_columns(record: dict, layer: int, h: int) -> list[list[float]]:
 def _restkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """p_j / max(1 - p_j, 1e-6) * ||Wbar_h (o - v_j)||: m the EMA (``beta``) over the chunk's queries of
     the group's mean attention, o = sum_j m_j v_j, p_j the mean of m over the ``kernel`` position-sorted
-    candidates centred on j (a missing neighbour counts 0)."""
+    candidates centred on j (a missing neighbour counts 0). ``variant=official``: :func:`_restkv_official`."""
+    if spec.variant == "official":
+        return _restkv_official(spec, record, layer, h, candidates, now, capacity)
     group, queries = _group(record["model"]), list(range(now - spec.chunk, now))
     n_q, beta = len(queries), spec.beta
     weights = [beta ** (n_q - 1)] + [(1 - beta) * beta ** (n_q - 1 - i) for i in range(1, n_q)]
@@ -998,6 +1000,53 @@ def _restkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, floa
         if size <= 1e-5 * (projected_norm(output) + projected_norm(values[j])):  # o = v_j up to rounding
             size = 0.0
         scores[j] = p / max(1.0 - p, 1e-6) * size
+    return scores
+
+
+def _restkv_official(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
+    """ReST-KV as the authors' RestKVCluster scores (paper configuration), one query head per KV head:
+    the window's W queries' attention folded by the EMA recurrence m <- alpha a + (1 - alpha) m from the
+    first, o over the candidates before the window, r_j = m_j / (1 - m_j) ||W_o^(h) (o - v_j)||, then
+    the head's adaptive window: t from the index sums of the B' - W most attended candidates under the
+    window's first and second halves, kernel max(k, 2 floor(|t| / scale) + 1), shift floor(t / scale)
+    (+ 1 unless t > 0), averaged with the ends repeated. The window's W positions are always kept."""
+    model, window = record["model"], spec.window
+    if _group(model) != 1:
+        raise ValueError("restkv variant=official keeps one set per query head: the model must have G = 1")
+    if window > spec.chunk:
+        raise ValueError("restkv variant=official reads the window's queries from the chunk: window <= C")
+    rows = [record["rows"][s][layer][h] for s in range(now - window, now)]
+    older = [j for j in candidates if j < now - window]
+    ema = {}
+    for j in older:
+        m = rows[0].get(j, 0.0)
+        for row in rows[1:]:
+            m = spec.alpha * row.get(j, 0.0) + (1.0 - spec.alpha) * m
+        ema[j] = m
+    values = {j: record["values"][layer][h][j].double().tolist() for j in older}
+    columns = _output_columns(record, layer, h)  # G = 1: head h's own columns
+    dims = range(len(columns[0]))
+    output = [math.fsum(ema[j] * values[j][c] for j in older) for c in dims]
+    raw = []
+    for j in older:
+        change = [output[c] - values[j][c] for c in dims]
+        norm = math.sqrt(math.fsum(math.fsum(row[c] * change[c] for c in dims) ** 2 for row in columns))
+        raw.append(ema[j] / (1.0 - ema[j]) * norm)
+    top = min(capacity - window, len(candidates))  # the K most attended keys of each window query
+
+    def index_sum(row: dict[int, float]) -> int:  # indices: places in the position-sorted candidates
+        attended = [row.get(j, 0.0) for j in candidates]
+        return sum(sorted(range(len(candidates)), key=lambda i: (attended[i], i))[-top:])
+
+    numerator = sum(index_sum(rows[i]) - index_sum(rows[window // 2 + i]) for i in range(window // 2))
+    unit = (window // 2) * top * spec.scale  # t / scale = numerator / unit
+    kernel = max(spec.kernel, 2 * (abs(numerator) // unit) + 1)
+    shift = numerator // unit if numerator > 0 else numerator // unit + 1
+    scores = dict.fromkeys(candidates, math.inf)
+    n, half = len(older), kernel // 2
+    for i, j in enumerate(older):
+        around = [raw[min(max(i + shift + d, 0), n - 1)] for d in range(-half, half + 1)]
+        scores[j] = math.fsum(around) / kernel
     return scores
 
 
@@ -1154,7 +1203,11 @@ RULES: dict[str, Rule] = {
         reads_keys=True,
         params={"partition": 32, "sinks": 4, "variant": "harness"},
     ),
-    "restkv": Rule(score=_restkv, params={"beta": 0.8, "kernel": 5}),
+    "restkv": Rule(
+        score=_restkv,
+        protected=lambda spec, capacity: spec.window if spec.variant == "official" else 0,
+        params={"beta": 0.8, "kernel": 5, "variant": "harness", "window": 32, "alpha": 0.3, "scale": 2000},
+    ),
     "expected_attention": Rule(
         score=_expected_attention,
         observe=_expected_attention_observe,
