@@ -387,8 +387,9 @@ class _Stream:
         targets = self.tokens[start + 1 : start + 1 + n_scored]
         log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
         token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
-        top = log_probs.detach().topk(2, dim=-1)  # the argmax and its margin over the runner-up
-        self._scored = (token_nll, top.indices[:, 0] == targets, top.values[:, 0] - top.values[:, 1])
+        detached = log_probs.detach()
+        top = detached.topk(2, dim=-1).values  # how far the argmax is ahead of the runner-up
+        self._scored = (token_nll, detached.argmax(dim=-1) == targets, top[:, 0] - top[:, 1])
         return token_nll.sum() if n_scored else None
 
     def record(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
