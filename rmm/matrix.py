@@ -24,6 +24,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 TINY = dict(
@@ -43,12 +45,16 @@ ARCHITECTURES = {
     "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
+# built by tiny_model but not in the matrix: Qwen3 (per-head RMS-normalised queries and keys, q_norm and
+# k_norm), for checks/kvpress_parity.py
+MORE_ARCHITECTURES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 SLIDING_WINDOW = 6  # the hybrid model's window: the matrix's 24-token streams outgrow it
 # per-architecture differences: Mistral's own sliding window off; GPT-NeoX is multi-head with partial rotary;
 # Gemma 3 is hybrid: a sliding layer (window 6, its own rotary frequencies) then a global one
 SPECIFIC = {
     "mistral": {"sliding_window": None},
     "gpt_neox": {"rotary_pct": 0.5},
+    "qwen3": {"head_dim": 16},
     "gemma3": {
         "head_dim": 16,
         "query_pre_attn_scalar": 16,
@@ -114,7 +120,7 @@ def case_id(name: str, params: dict) -> str:
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
     """A small random causal LM (CPU, fp32) whose attention is peaked enough for eviction to matter."""
-    config_cls, model_cls = ARCHITECTURES[arch]
+    config_cls, model_cls = {**ARCHITECTURES, **MORE_ARCHITECTURES}[arch]
     torch.manual_seed(seed)
     settings = {**TINY, **SPECIFIC.get(arch, {}), **overrides}
     if arch == "gpt_neox":
