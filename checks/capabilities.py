@@ -48,7 +48,7 @@ KERNELS = [
 ]
 
 
-def worker(plays: int, tokens: int, out_dir: Path) -> None:
+def worker(plays: int, tokens: int, out_dir: Path, only: str = "") -> None:
     """Stream every policy under this process's kernels; write each token frame to ``out_dir``."""
     import rmm
     from rmm.data import load_documents
@@ -56,7 +56,9 @@ def worker(plays: int, tokens: int, out_dir: Path) -> None:
     model, tokenizer = rmm.load_model("smollm2_135m", device="cpu")
     data = {"name": "shakespeare", "source": "shakespeare", "n_docs": plays, "max_tokens": tokens}
     docs, _ = load_documents({**data, "min_tokens": 2, "stream": "per_doc"}, tokenizer)
-    for i, params in enumerate(POLICIES.values()):
+    for i, (label, params) in enumerate(POLICIES.items()):
+        if only not in label:
+            continue
         evaluation = rmm.evaluate(model, token_ids=[d.tokens for d in docs], batch=1, **params)
         evaluation.tokens.to_parquet(out_dir / f"{i}.parquet")
 
@@ -80,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plays", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=768)
     parser.add_argument("--out", type=Path, default=Path(OUT))
+    parser.add_argument("--only", default="", help="only the policies whose label contains this")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        worker(args.plays, args.tokens, args.worker)
+        worker(args.plays, args.tokens, args.worker, args.only)
         return 0
-    frames: dict[str, list[pd.DataFrame]] = {}
+    selected = [i for i, label in enumerate(POLICIES) if args.only in label]
+    frames: dict[str, dict[int, pd.DataFrame]] = {}
     with tempfile.TemporaryDirectory(prefix="capabilities_") as tmp:
         for label, capability, threads in KERNELS:
             out_dir = Path(tmp) / label.replace(" ", "_").replace(",", "")
@@ -95,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             if capability is not None:
                 env["ATEN_CPU_CAPABILITY"] = capability
             command = [sys.executable, "-m", "checks.capabilities", "--worker", str(out_dir)]
-            command += ["--plays", str(args.plays), "--tokens", str(args.tokens)]
+            command += ["--plays", str(args.plays), "--tokens", str(args.tokens), "--only", args.only]
             subprocess.run(command, env=env, check=True, cwd=Path(__file__).resolve().parents[1])
-            frames[label] = [pd.read_parquet(out_dir / f"{i}.parquet") for i in range(len(POLICIES))]
+            frames[label] = {i: pd.read_parquet(out_dir / f"{i}.parquet") for i in selected}
     base = KERNELS[0][0]
     lines = [
         "# The same streams under other ATen CPU kernels (`python checks/capabilities.py`)",
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     failed = False
     for i, policy in enumerate(POLICIES):
+        if i not in selected:
+            continue
         for label, _, _ in KERNELS:
             frame, reference = frames[label][i], frames[base][i]
             ppl = float(np.exp(frame["nll"].astype("float64").mean()))

@@ -708,12 +708,16 @@ def _rmm_observe(spec: ReferenceSpec, record: dict, t: int) -> None:
                             utility[layer][h][j] = utility[layer][h].get(j, 0.0) + u
 
 
+GRADIENT_DIGITS = 3  # rmm compares gradient utilities at 3 significant digits (docs/semantics.md)
+
+
 def _rmm(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
-    """The accumulated utility (the gradient utility at SCORE_DIGITS significant digits); the provisional
-    buffer (the last H positions) kept."""
-    utility = record["utility"][layer][h]
-    digits = _significant if spec.weight == "gradient" else float
-    return _recent({j: digits(utility.get(j, 0.0)) for j in candidates}, now, spec.lag)
+    """The accumulated utility (the gradient utility at GRADIENT_DIGITS significant digits); the
+    provisional buffer (the last H positions) kept."""
+    utility = {j: record["utility"][layer][h].get(j, 0.0) for j in candidates}
+    if spec.weight == "gradient":
+        utility = {j: _significant(u, GRADIENT_DIGITS) for j, u in utility.items()}
+    return _recent(utility, now, spec.lag)
 
 
 def _tova(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
