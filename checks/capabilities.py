@@ -63,6 +63,15 @@ def worker(plays: int, tokens: int, out_dir: Path, only: str = "") -> None:
         evaluation.tokens.to_parquet(out_dir / f"{i}.parquet")
 
 
+def score_digits(params: dict) -> int | None:
+    """The precision at which the policy of ``params`` (rmm.evaluate's options) compares its scores."""
+    from rmm.policies import make_policy
+
+    run_options = ("policy", "budget", "chunk", "positions", "max_tokens")
+    options = {k: v for k, v in params.items() if k not in run_options}
+    return make_policy({"name": params["policy"], **options}, params["budget"], params["chunk"]).score_digits
+
+
 def margin_moves(a: Trace, b: Trace) -> float:
     """Largest |relative margin change| of a (layer, head) decision while both kept the same sets."""
     moves = [0.0]
@@ -117,15 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---:|---:|---:|---|",
     ]
     failed = False
-    for i, policy in enumerate(POLICIES):
+    for i, (policy, params) in enumerate(POLICIES.items()):
         if i not in selected:
             continue
+        digits = score_digits(params)
         for label, _, _ in KERNELS:
             frame, reference = frames[label][i], frames[base][i]
             ppl = float(np.exp(frame["nll"].astype("float64").mean()))
             worst, moved, first = 0.0, 0.0, []
             for doc_id, rows in frame.groupby("doc_id", sort=False):
-                a, b = Trace.of_frame(rows), Trace.of_frame(reference[reference.doc_id == doc_id])
+                a = Trace.of_frame(rows, digits)
+                b = Trace.of_frame(reference[reference.doc_id == doc_id], digits)
                 found = diverge(a, b)
                 failed |= not found.ok
                 worst, moved = max(worst, found.max_before), max(moved, margin_moves(a, b))
