@@ -76,6 +76,22 @@ def test_official_matches_reference(arch, params, chunk, positions):
         assert engine_set == spec.retained_log[now], f"R_{now} differs: {where}"
 
 
+def window_observation(query, key, value, wo, window: int) -> Observation:
+    """The observation of one layer whose last ``window`` queries [1, H, Q, D] attend causally to ``key``,
+    with values ``value`` and the output projection ``wo`` [hidden, H * D]."""
+    _, heads, q_len, head_dim = query.shape
+    logits = query[0, :, -window:] @ key[0].transpose(1, 2) / math.sqrt(head_dim)
+    visible = torch.arange(q_len)[None, :] <= torch.arange(q_len - window, q_len)[:, None]
+    attention = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)  # [heads, window, q_len]
+    return Observation(
+        torch.arange(q_len).expand(1, heads, q_len),
+        torch.arange(q_len - window, q_len),
+        attention=attention[None],
+        values=value,
+        output_projection=wo.unflatten(1, (heads, head_dim)).permute(1, 0, 2)[None],
+    )
+
+
 def rest_kv_cluster_scores(
     query, key, value, wo, window, capacity, kernel=5, alpha=0.3, scale=2000
 ) -> torch.Tensor:
@@ -132,16 +148,7 @@ def test_official_scores_equal_rest_kv_cluster(q_len, window, capacity, kernel, 
     query, key, value = (torch.randn(1, heads, q_len, head_dim, generator=generator) * 2 for _ in range(3))
     wo = torch.randn(hidden, heads * head_dim, generator=generator)
     expected = rest_kv_cluster_scores(query, key, value, wo, window, capacity, kernel, alpha, scale)[0]
-    logits = query[0, :, -window:] @ key[0].transpose(1, 2) / math.sqrt(head_dim)
-    visible = torch.arange(q_len)[None, :] <= torch.arange(q_len - window, q_len)[:, None]
-    attention = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)  # [heads, window, q_len]
-    obs = Observation(
-        torch.arange(q_len).expand(1, heads, q_len),
-        torch.arange(q_len - window, q_len),
-        attention=attention[None],
-        values=value,
-        output_projection=wo.unflatten(1, (heads, head_dim)).permute(1, 0, 2)[None],
-    )
+    obs = window_observation(query, key, value, wo, window)
     params = {"name": "restkv", "variant": "official", "window": window, "kernel": kernel}
     policy = make_policy(
         {**params, "alpha": alpha, "scale": scale}, budget=capacity + window - 1, chunk=window
@@ -212,22 +219,13 @@ def test_official_shift_at_no_drift():
     key[..., -1, :] = -4 * query[..., -1, :]  # the last key hardly attended: both rank the same keys
     wo = torch.randn(hidden, heads * head_dim, generator=generator)
     expected = rest_kv_cluster_scores(query, key, value, wo, window, capacity)[0]
-    logits = query[0, :, -window:] @ key[0].transpose(1, 2) / math.sqrt(head_dim)
-    visible = torch.arange(q_len)[None, :] <= torch.arange(q_len - window, q_len)[:, None]
-    attention = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
-    obs = Observation(
-        torch.arange(q_len).expand(1, heads, q_len),
-        torch.arange(q_len - window, q_len),
-        attention=attention[None],
-        values=value,
-        output_projection=wo.unflatten(1, (heads, head_dim)).permute(1, 0, 2)[None],
-    )
+    obs = window_observation(query, key, value, wo, window)
     policy = make_policy(
         {"name": "restkv", "variant": "official", "window": window},
         budget=capacity + window - 1,
         chunk=window,
     )
-    kernel, shift = policy._adaptive(attention[None].double(), obs.key_pos >= 0, obs.key_pos)
+    kernel, shift = policy._adaptive(obs.attention.double(), obs.key_pos >= 0, obs.key_pos)
     assert kernel.tolist() == [[5, 5]] and shift.tolist() == [[1, 1]]
     scores = policy.score({}, obs, q_len)[0]
     torch.testing.assert_close(scores[:, : q_len - window].float(), expected, rtol=2e-5, atol=1e-6)
