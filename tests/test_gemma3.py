@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import record_max
+from conftest import assert_agree, record_max
 from omegaconf import OmegaConf
 
+from rmm.divergence import Trace
 from rmm.engine import StreamingEngine
 from rmm.matrix import set_recorder
 from rmm.policies import make_policy
@@ -87,7 +88,8 @@ def test_matches_the_reference(gemma3, name: str, params: dict, chunk: int, posi
 @pytest.mark.parametrize(("name", "params", "layers"), [("h2o", {}, "all"), ("rmm", {"lag": 32}, "global")])
 def test_a_batch_streams_each_document_as_alone(gemma3, name: str, params: dict, layers: str) -> None:
     """Three pieces of the stream of unequal length (700, 560, 300 tokens: past the 512-token window) at
-    batch 3 against batch 1: the same per-token NLL and retained sets; the batched self-check passes."""
+    batch 3 against batch 1: the same per-token NLL and retained sets to the stated bound until a near-tie
+    flips (conftest's assert_agree); the batched self-check passes."""
     import copy
 
     from rmm.engine import StreamHooks, StreamRequest
@@ -107,10 +109,9 @@ def test_a_batch_streams_each_document_as_alone(gemma3, name: str, params: dict,
         results = {index: result for index, result, _ in engine.stream_many(requests)}
         runs.append(([results[i] for i in range(3)], [sets for _, sets in logs]))
     (alone, alone_sets), (batched, batched_sets) = runs
-    for one, many in zip(alone, batched, strict=True):
-        record_max("per-token |NLL batched - alone|, Gemma 3 fp32", float((one.nll - many.nll).abs().max()))
-        torch.testing.assert_close(many.nll, one.nll, rtol=0, atol=5e-6)
-    assert batched_sets == alone_sets
+    for i, (one, many) in enumerate(zip(alone, batched, strict=True)):
+        where = f"Gemma 3 {name} {layers} piece {i} at batch 3 against alone"
+        assert_agree(Trace.of(many, batched_sets[i]), Trace.of(one, alone_sets[i]), where)
 
 
 def test_the_confirmatory_stream_once_refused_at_batch_4_passes(gemma3) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import record_max
+from conftest import assert_agree, record_max
 from omegaconf import OmegaConf
 
+from rmm.divergence import Trace
 from rmm.engine import StreamingEngine
 from rmm.matrix import set_recorder
 from rmm.policies import make_policy
@@ -64,22 +65,18 @@ def test_key_rankings_match_the_reference_on_smollm2(smollm2, name: str, params:
     torch.testing.assert_close(result.nll, nll, rtol=0, atol=SMOLLM2_NLL_ATOL)
 
 
-GRADIENT_NLL_ATOL = 1e-4  # measured up to 5.6e-5 (results/cpu/gradient_spread.md: 300 tokens, C=16)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("after_commit", ["accumulate", "freeze"])
 def test_gradient_weight_matches_the_reference_on_smollm2(smollm2, after_commit: str) -> None:
-    """rmm weight=gradient sums signed utilities, so rounding could decide its rankings: at C=16 (the
-    chunk of the committed gradient runs) the engine keeps the reference's sets on SmolLM2."""
+    """rmm weight=gradient sums signed utilities, so rounding decides some of its rankings: at C=16 (the
+    chunk of the committed gradient runs) the engine keeps the reference's sets on SmolLM2 until a decision
+    within the near-tie margin of its 3 significant digits (the engine in fp32, the reference in float64:
+    a utility at a rounding boundary may round either way), and the NLL agrees to the bound until then."""
     model, tokens = smollm2
     params = {"lag": 16, "weight": "gradient", "after_commit": after_commit}
     result, sets = engine_sets(model, tokens, make_policy({"name": "rmm", **params}, budget=BUDGET, chunk=16))
     spec = ReferenceSpec(policy="rmm", budget=BUDGET, chunk=16, **params)
-    nll, _ = reference_stream(model, tokens, spec)
-    record_max(
-        "per-token |NLL engine - reference|, SmolLM2 rmm gradient", float((result.nll - nll).abs().max())
-    )
-    differing = [now for now, engine_set in sets.items() if engine_set != spec.retained_log[now]]
-    assert not differing, f"retained sets differ from query {differing[0]} on"
-    torch.testing.assert_close(result.nll, nll, rtol=0, atol=GRADIENT_NLL_ATOL)
+    nll, correct = reference_stream(model, tokens, spec)
+    kept = {now: [tuple(head) for layer in spec.retained_log[now] for head in layer] for now in sets}
+    reference = Trace(nll.double().numpy(), correct.numpy(), kept=kept)
+    assert_agree(Trace.of(result, sets), reference, f"SmolLM2 rmm gradient {after_commit}, the reference")
