@@ -11,10 +11,16 @@ equal length, ``--batch`` side by side per forward pass (each with its own memor
 Prints tokens/s of the engine under every policy (position rules, attention-based and attention-free
 score-based policies; expected_attention is attention-free: it records no attention probabilities and
 streams on the fused attention path, restkv records them), of a token-by-token physical-eviction loop
-(StreamingLLM's evaluation method: one token per forward, KV cache sliced after every step), and of plain
-forward passes over 2048-token windows, then the ratios the project's targets are stated in. With
-``--repeats R`` the engine runs are repeated R times, interleaved (every policy once per round), and each
-policy's fastest round counts, which damps the effect of other load on a shared machine.
+(StreamingLLM's evaluation method: one token per forward, KV cache sliced after every step), and of two
+yardsticks side by side: plain forward passes over 2048-token windows (no memory bound), and the equal-work
+forward (``checks.yardsticks.equal_work``: the model's own forward over the same N x C tokens per pass, N
+the batch, with a KV cache cut to the last B - C + 1 keys after every pass, so that every query attends at
+most B keys besides its own, as in the engine); then the ratios the project's targets are stated in. With
+``--repeats R`` the engine runs and both yardsticks are repeated R times, interleaved (every run once per
+round), and each run's fastest round counts, which damps the effect of other load on a shared machine.
+
+Goals against the equal-work yardstick at the run's own batch, on an idle machine: h2o and rmm at batch 8
+>= 0.9x; the position rules (window, streaming_llm) >= 0.95x.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from unittest import mock
 import torch
 from omegaconf import OmegaConf
 
-from checks.yardsticks import plain_forward, token_loop
+from checks.yardsticks import equal_work, plain_forward, token_loop
 from rmm import recording
 from rmm.data import load_documents
 from rmm.engine import StreamingEngine, StreamRequest
@@ -68,12 +74,30 @@ GRADIENT, CORRECT = "rmm[gradient]/original", "rmm/original"
 
 
 WINDOW_AT_C = "window@C/original"
+EQUAL_WORK = "equal_work"  # the equal-work yardstick's rate at the default batch (@bN: at batch N)
 
 
 def label(name: str, params: dict, positions: str) -> str:
     """The engine run's name: policy[weight]/positions (the weight only when it is not the default)."""
     weight = f"[{params['weight']}]" if "weight" in params else ""
     return f"{name}{weight}/{positions}"
+
+
+def batch_of(key: str, default: int) -> int:
+    """The batch of a run's key (``...@bN``: N, else the default batch)."""
+    return int(key.split("@b")[1]) if "@b" in key else default
+
+
+def equal_work_key(batch: int, default: int) -> str:
+    """The rates key of the equal-work yardstick at ``batch``."""
+    return EQUAL_WORK + ("" if batch == default else f"@b{batch}")
+
+
+def batch_groups(docs: list[torch.Tensor], batch: int) -> list[torch.Tensor]:
+    """``docs`` taken ``batch`` at a time in order, as the engine streams the bench's documents of equal
+    length, each group stacked [<= batch, n] (cut to its shortest document): the equal-work input."""
+    groups = [docs[i : i + batch] for i in range(0, len(docs), batch)]
+    return [torch.stack([doc[: min(d.numel() for d in group)] for doc in group]) for group in groups]
 
 
 def timed(fn) -> tuple[float, object]:
@@ -217,29 +241,38 @@ def write_table(
 
     path = args.out / f"speed_B{args.budget}_T{n}.md"
     forward, window_at_c = rates["forward"], rates[WINDOW_AT_C]
+
+    def work(key: str) -> float:  # the equal-work yardstick at the run's batch
+        return rates[equal_work_key(batch_of(key, args.batch), args.batch)]
+
     lines = [
         f"# Speed: SmolLM2-135M fp32 on CPU, {n} tokens in {args.docs} documents, B={args.budget}, "
         f"C={args.chunk}, batch {args.batch}",
         "",
         f"Command: `python checks/bench.py {' '.join(sys.argv[1:])}` (best of {args.repeats} "
-        "interleaved rounds, each running every engine and the plain forward passes once).",
+        "interleaved rounds, each running every engine, the plain forward passes and the equal-work "
+        "forward once).",
         f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), {args.threads} "
         f"threads; load average {load_before[0]:.2f} before and {os.getloadavg()[0]:.2f} after the run "
         "(1-minute).",
         f"Versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}.",
         "",
-        "| run | tokens/s | / plain forward | / window in C-token passes |",
-        "|---|---:|---:|---:|",
+        "| run | tokens/s | / plain forward | / equal work | / window in C-token passes |",
+        "|---|---:|---:|---:|---:|",
     ]
     for key, rate in rates.items():
         if "@b" not in key:
-            lines.append(f"| {key} | {rate:.1f} | {rate / forward:.2f} | {rate / window_at_c:.2f} |")
+            lines.append(
+                f"| {key} | {rate:.1f} | {rate / forward:.2f} | {rate / work(key):.2f} | "
+                f"{rate / window_at_c:.2f} |"
+            )
     if args.batches:
         batches = sorted(set(args.batches))
         lines += [
             "",
-            f"Batch curve: tokens/s (/ plain forward) against documents per forward pass, C={args.chunk}.",
+            f"Batch curve: tokens/s (/ plain forward, / equal work at that batch) against documents per "
+            f"forward pass, C={args.chunk}.",
             "",
             "| run | " + " | ".join(f"batch {b}" for b in batches) + " |",
             "|---|" + "---:|" * len(batches),
@@ -248,13 +281,26 @@ def write_table(
             base = label(name, params, positions)
             keys = [base if b == args.batch else f"{base}@b{b}" for b in batches]
             if all(key in rates for key in keys):
-                cells = [f"{rates[key]:.1f} ({rates[key] / forward:.2f}x)" for key in keys]
+                cells = [
+                    f"{rates[key]:.1f} ({rates[key] / forward:.2f}x, {rates[key] / work(key):.2f}x)"
+                    for key in keys
+                ]
                 lines.append(f"| {base} | " + " | ".join(cells) + " |")
+        works = [rates[equal_work_key(b, args.batch)] for b in batches]
+        lines.append(f"| {EQUAL_WORK} | " + " | ".join(f"{w:.1f} ({w / forward:.2f}x)" for w in works) + " |")
+    keep = args.budget - args.chunk + 1
     lines += [
         "",
-        "plain forward: forward passes over 2048-token windows (no memory bound); loop: the token-by-token",
-        "loop with physical eviction (StreamingLLM's evaluation method); window@C: window streamed in",
-        "C-token passes like the score-based policies.",
+        "plain forward: forward passes over 2048-token windows (no memory bound); equal work: the",
+        "model's own forward over the same tokens per pass as the engine (the batch's N documents,",
+        f"C = {args.chunk} new tokens each, SDPA) with a KV cache cut to the last B - C + 1 = {keep} keys",
+        f"after every pass, so that every query attends at most B = {args.budget} keys besides its own, as",
+        "in the engine (checks/yardsticks.py:equal_work); loop: the token-by-token loop with physical",
+        "eviction (StreamingLLM's evaluation method); window@C: window streamed in C-token passes like the",
+        "score-based policies.",
+        "",
+        "Goals against equal work at the run's batch (idle machine): h2o and rmm at batch 8 >= 0.9x;",
+        "position rules (window, streaming_llm) >= 0.95x.",
     ]
     points = [
         {
@@ -264,7 +310,7 @@ def write_table(
             "positions": key.split("/")[1].split("@")[0],
             "budget": args.budget,
             "chunk": args.chunk,
-            "batch": int(key.split("@b")[1]) if "@b" in key else args.batch,
+            "batch": batch_of(key, args.batch),
             "n_docs": args.docs,
             "tokens_per_doc": n // args.docs,
             "threads": args.threads,
@@ -274,7 +320,7 @@ def write_table(
             "wall_s": n / rate,
         }
         for key, rate in rates.items()
-        if key not in ("forward", "loop")
+        if "/" in key  # engine runs, not the yardsticks or the loop
     ]
     atomic_write_text(args.out / "speed_points.json", json.dumps(points, indent=1) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -367,8 +413,17 @@ def main() -> None:
     # window again, streamed in passes of C tokens like the score-based policies (position rules normally
     # take max(C, 1024)-token passes): the ratio to it isolates a policy's own cost from the pass size
     engines[WINDOW_AT_C] = engines["window/original"]
+    # the equal-work yardstick at every batch measured, over the same documents taken as the engine takes them
+    groups = {
+        equal_work_key(b, args.batch): batch_groups(docs, b)
+        for b in sorted({args.batch, *(args.batches or [])})
+    }
+    if not args.only_engine:
+        for stacked in groups.values():
+            equal_work(model, stacked[0][:, : 2 * args.chunk + 1], args.budget, args.chunk)  # warm-up
     best: dict[str, float] = {}
     forward_s = float("inf")
+    work_s: dict[str, float] = {}
     for round_ in range(args.repeats):
         for key, engine in engines.items():
             passes = args.chunk if key == WINDOW_AT_C else recording.POSITION_RULE_CHUNK
@@ -380,6 +435,13 @@ def main() -> None:
             seconds, _ = timed(lambda: plain_forward(model, tokens, 2048))
             forward_s = min(forward_s, seconds)
             print(f"  round {round_ + 1}: {'plain forward':28s} {n / seconds:8.1f} tokens/s", flush=True)
+            for key, stacked in groups.items():  # and the equal-work forward at every batch
+                seconds, _ = timed(
+                    lambda stacked=stacked: [equal_work(model, x, args.budget, args.chunk) for x in stacked]
+                )
+                work_s[key] = min(work_s.get(key, float("inf")), seconds)
+                rate = sum(x.numel() for x in stacked) / seconds
+                print(f"  round {round_ + 1}: {key:28s} {rate:8.1f} tokens/s", flush=True)
     rates = {key: n / seconds for key, seconds in best.items()}  # every token of every document streamed
     for key, rate in rates.items():
         name, positions = key.split("/")
@@ -404,6 +466,10 @@ def main() -> None:
 
     rates["forward"] = n / forward_s
     print(f"plain forward, 2048-token windows          {rates['forward']:8.1f} tokens/s")
+    for key, seconds in work_s.items():
+        rates[key] = sum(x.numel() for x in groups[key]) / seconds
+        batch = batch_of(key, args.batch)
+        print(f"equal work, batch {batch}, {args.chunk}-token passes   {rates[key]:8.1f} tokens/s")
 
     loop_tokens = tokens[: args.loop_tokens or n]
     seconds, _ = timed(lambda: token_loop(model, loop_tokens, args.budget, sinks=4))
@@ -418,6 +484,12 @@ def main() -> None:
             f"  {key:24s} / loop = {rates[key] / rates['loop']:6.1f}x   / forward = "
             f"{rates[key] / rates['forward']:5.2f}x"
         )
+    print(
+        "\n/ equal work at the run's batch (goals: h2o and rmm at batch 8 >= 0.9x, position rules >= 0.95x)"
+    )
+    for key, rate in rates.items():
+        if "/" in key:  # an engine run
+            print(f"  {key:28s} {rate / rates[equal_work_key(batch_of(key, args.batch), args.batch)]:5.2f}x")
     if args.out:
         # per run: whether it records attention, and its tokens per forward pass per document
         attention = {

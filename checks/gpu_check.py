@@ -14,7 +14,8 @@ every section, so a run cut short keeps what it measured). Sections:
 - ``speed``: a random-init bf16 model with Llama-3.1-8B's architecture (``conf/model/llama3_1_8b.yaml``:
   32 layers, GQA 32/8, head_dim 128, llama3 rope scaling) streaming 32k tokens at B=2048: tokens/s of
   window, streaming_llm (cache positions), h2o and rmm; plain forward passes over 8k-token windows
-  (SDPA); a token-by-token eviction loop over 1k tokens; peak device memory at 8k and 32k tokens.
+  (SDPA); the equal-work forward (the model's own, C tokens per pass, a KV cache of B - C + 1 keys); a
+  token-by-token eviction loop over 1k tokens; peak device memory at 8k and 32k tokens.
 - ``points``: what recalibrates the time model (checks/time_model.py) on the device, as speed points
   (the format of results/bench/speed_points.json, for ``checks/plan.py --calibrate``): the same
   model, h2o and rmm at B=256, C=64 at batch 1 and 4 (four 2048-token documents), window at batch 4,
@@ -42,7 +43,7 @@ import transformers
 import yaml
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from checks.yardsticks import plain_forward, token_loop
+from checks.yardsticks import equal_work, plain_forward, token_loop
 from rmm.engine import StreamingEngine, StreamRequest
 from rmm.files import atomic_write_text
 from rmm.integration import cache_keyword
@@ -228,7 +229,8 @@ SPEED_POLICIES = [  # rmm's lag is B / 32 (64 at B = 2048)
 
 
 def speed(device: torch.device, small: bool, chunk: int) -> dict[str, Any]:
-    """tokens/s and peak memory of the engine, plain forward passes and a token loop."""
+    """tokens/s and peak memory of the engine, plain forward passes, the equal-work forward (batch 1, as
+    the engine here) and a token loop."""
     n, short, budget, window, loop = (512, 128, 64, 128, 64) if small else (32768, 8192, 2048, 8192, 1024)
     chunk = min(chunk, budget // 4)  # room for rmm's lag at the small sizes
     model = speed_model(device, small)
@@ -262,13 +264,23 @@ def speed(device: torch.device, small: bool, chunk: int) -> dict[str, Any]:
         device, lambda: plain_forward(model, tokens, window)
     )
     out["peak_memory_bytes"][str(n)][f"plain_forward_{window}"] = peak_bytes(device)
+    equal_work(model, tokens[None, : 2 * chunk + 1], budget, chunk)  # warm-up
+    out["tokens_per_s"]["equal_work"] = n / timed(
+        device, lambda: equal_work(model, tokens[None], budget, chunk)
+    )
     token_loop(model, tokens[:8], budget)  # warm-up
     seconds = timed(device, lambda: token_loop(model, tokens[:loop], budget))
     out["tokens_per_s"][f"token_loop_{loop}"] = (loop - 1) / seconds
     rates = out["tokens_per_s"]
-    out["ratios"] = {
-        f"{key} / plain_forward": rates[key] / rates[f"plain_forward_{window}"] for key in rates if "/" in key
-    } | {f"{key} / token_loop": rates[key] / rates[f"token_loop_{loop}"] for key in rates if "/" in key}
+    out["ratios"] = (
+        {
+            f"{key} / plain_forward": rates[key] / rates[f"plain_forward_{window}"]
+            for key in rates
+            if "/" in key
+        }
+        | {f"{key} / equal_work": rates[key] / rates["equal_work"] for key in rates if "/" in key}
+        | {f"{key} / token_loop": rates[key] / rates[f"token_loop_{loop}"] for key in rates if "/" in key}
+    )
     return out
 
 

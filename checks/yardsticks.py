@@ -1,6 +1,8 @@
-"""The two yardsticks the engine's speed is measured against, one copy for the CPU bench and the GPU check.
+"""The yardsticks the engine's speed is measured against, one copy for the CPU bench and the GPU check.
 
 - :func:`plain_forward`: forward passes over consecutive windows, no memory bound (the ceiling);
+- :func:`equal_work`: the model's own forward at the engine's work per pass: N streams side by side, C
+  new tokens each per pass, a KV cache cut to the last B - C + 1 keys after every pass;
 - :func:`token_loop`: StreamingLLM's evaluation method, one token per forward with the KV cache cut to
   sinks + the last B - sinks entries after every step (physical eviction).
 """
@@ -46,3 +48,32 @@ def token_loop(model: PreTrainedModel, tokens: torch.Tensor, budget: int, sinks:
                 )
         cache = out.past_key_values
     return nll
+
+
+@torch.no_grad()
+def equal_work(model: PreTrainedModel, tokens: torch.Tensor, budget: int, chunk: int) -> int:
+    """The model's own forward (SDPA, batch N) over ``tokens`` [N, n], N streams side by side: each pass
+    feeds ``chunk`` new tokens per stream with a ``DynamicCache`` of the streams' previous keys and values,
+    cut after every pass to the last B' = ``budget`` - ``chunk`` + 1, what the engine keeps at a boundary,
+    so that every query attends at most ``budget`` keys besides its own (original positions; logits of
+    every token, no log-softmax). Runs on ``tokens``' device; for models whose every layer is a full-
+    attention layer. Returns the most keys any query attended besides its own (``budget`` on streams long
+    enough to fill the cache)."""
+    if not 1 <= chunk <= budget:
+        raise ValueError(f"equal_work needs 1 <= chunk <= budget, got chunk={chunk}, budget={budget}")
+    model.set_attn_implementation("sdpa")
+    keyword = cache_keyword(model)
+    keep = budget - chunk + 1
+    cache = DynamicCache()
+    n = tokens.shape[1]
+    positions = torch.arange(n, device=tokens.device).expand_as(tokens)
+    most = 0
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        most = max(most, cache.get_seq_length() + stop - start - 1)
+        model(
+            tokens[:, start:stop], position_ids=positions[:, start:stop], use_cache=True, **{keyword: cache}
+        )
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[..., -keep:, :], layer.values[..., -keep:, :]
+    return most

@@ -38,7 +38,8 @@ def test_small_check_runs_end_to_end(tmp_path: Path):
     for key in ("window/original", "streaming_llm/cache", "h2o/original", "rmm/original"):
         assert speed["tokens_per_s"][key] > 0
         assert key in speed["peak_memory_bytes"][str(speed["tokens"])]
-    assert {"plain_forward_128", "token_loop_64"} <= set(speed["tokens_per_s"])
+    assert {"plain_forward_128", "equal_work", "token_loop_64"} <= set(speed["tokens_per_s"])
+    assert "h2o/original / equal_work" in speed["ratios"]
     points = sections["points"]["speed_points"]
     assert plan.load_points(out) == points  # --calibrate reads the check's JSON as it is
     assert [(p["policy"], p["batch"]) for p in points] == [
