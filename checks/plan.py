@@ -14,8 +14,10 @@ the configured chunk) that fit. ``dtype=auto`` plans for a GPU (bfloat16).
 
 ``--time`` prints the expected wall time instead (:mod:`checks.time_model`): of the composed run,
 or of every run of a sweep, given as ``run.py -m`` gives it (comma lists on the command line, and the
-``hydra.sweeper.params`` of an ``experiment=`` preset). ``--calibrate POINTS.json`` fits the time
-model's constants to measured runs and prints predicted against measured. Formulas: docs/gpu.md.
+``hydra.sweeper.params`` of an ``experiment=`` preset), what its runs share counted once (``full`` and the
+reference passes, :mod:`rmm.sharing`), with the range at half and twice the cost per launch.
+``--calibrate POINTS.json`` fits the time model's constants to measured runs and prints predicted
+against measured. Formulas: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
 from checks import time_model
 from checks.time_model import GPUS, Hardware, ModelShape, StreamShape
+from rmm import sharing
 from rmm.lookahead import configured_reference_context
 from rmm.models import architecture, config_from_architecture, resolve_dtype
 from rmm.policies import make_policy
@@ -337,18 +340,51 @@ def time_works(
 def run_time(cfg: DictConfig, hardware: Hardware) -> time_model.RunTime:
     """The expected wall time of the run ``cfg`` on ``hardware`` (a note when its plan exceeds the
     device's memory)."""
+    return run_times(cfg, [hardware])[0]
+
+
+def run_times(cfg: DictConfig, hardwares: list[Hardware]) -> list[time_model.RunTime]:
+    """:func:`run_time` of the run ``cfg`` on each of ``hardwares`` (its work counted once)."""
     _, works, reference_works, spec = time_works(cfg)
-    result = time_model.run_time(
-        works, reference_works, n_documents(cfg), spec.n_tokens, spec.batch, hardware
-    )
-    if hardware.memory_bytes is not None:
-        needed = plan(cfg).total_bytes
-        if needed > hardware.memory_bytes:
+    needed = plan(cfg).total_bytes if any(hw.memory_bytes is not None for hw in hardwares) else 0
+    results = []
+    for hardware in hardwares:
+        result = time_model.run_time(
+            works, reference_works, n_documents(cfg), spec.n_tokens, spec.batch, hardware
+        )
+        if hardware.memory_bytes is not None and needed > hardware.memory_bytes:
             result.notes.append(
                 f"the memory plan ({needed / 1e9:.1f} GB) exceeds the {hardware.name}'s "
                 f"{hardware.memory_bytes / 1e9:.0f} GB"
             )
-    return result
+        results.append(result)
+    return results
+
+
+def shared_work(cfg: DictConfig) -> tuple[str | None, str | None]:
+    """What a sweep's runs share (:mod:`rmm.sharing`, ``reuse=true``): (the key of the run's streams when
+    its policy ignores the budget, the key of its reference passes when it has them); None for neither.
+    Runs with equal keys compute that part once."""
+    if not cfg.get("reuse", True):
+        return None, None
+    config = OmegaConf.to_container(cfg, resolve=True)
+    spec = run_spec(cfg)
+    budget_free = cfg.budget is not None and spec.budget is None
+    stream = sharing.fingerprint(sharing.budget_free_config(config)) if budget_free else None
+    reference = sharing.fingerprint(sharing.reference_config(config)) if spec.reference else None
+    return stream, reference
+
+
+def without_shared(result: time_model.RunTime, stream: str | None, reference: str | None) -> None:
+    """Take from ``result`` what an earlier run of the sweep computed: its streams (``stream``, the label
+    of the run that streamed them) or its reference passes (``reference``)."""
+    if stream is not None:
+        result.stream_s = result.reference_s = 0.0
+        result.passes = result.reference_passes = 0
+        result.notes.append(f"counted once per sweep: reuses {stream} (its policy ignores the budget)")
+    elif reference is not None:
+        result.reference_s, result.reference_passes = 0.0, 0
+        result.notes.append(f"reference passes counted once per sweep: those of {reference}")
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
@@ -374,7 +410,7 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
 
 def hardware_named(name: str) -> Hardware:
     """A named GPU (:data:`checks.time_model.GPUS`) or a JSON file of constants (``--calibrate
-    --constants-out``: name, flops, bytes_per_s, layer_overhead_s)."""
+    --constants-out``: name, flops, bytes_per_s, launch_s)."""
     if name.lower() in GPUS:
         return GPUS[name.lower()]
     path = Path(name)
@@ -387,7 +423,7 @@ def hardware_named(name: str) -> Hardware:
         name=data["name"],
         flops=float(data["flops"]),
         bytes_per_s=float(data["bytes_per_s"]),
-        layer_overhead_s=float(data["layer_overhead_s"]),
+        launch_s=float(data["launch_s"]),
         memory_bytes=data.get("memory_bytes"),
         note=data.get("note", f"constants from {path}"),
     )
@@ -398,37 +434,58 @@ def hours(seconds: float) -> str:
 
 
 def time_report(overrides: list[str], hardware: Hardware) -> dict[str, Any]:
-    """Every run of the sweep ``overrides`` describes (one run without a sweep): its expected time."""
-    runs, refused = [], []
+    """Every run of the sweep ``overrides`` describes (one run without a sweep): its expected time, what
+    the sweep shares counted once (:func:`shared_work`), and the total at the ends of
+    :data:`~checks.time_model.LAUNCH_RANGE` (the cost per launch halved and doubled)."""
+    low, high = (
+        time_model.with_constants(hardware, {"launch_s": hardware.launch_s * factor})
+        for factor in time_model.LAUNCH_RANGE
+    )
+    runs, refused, first = [], [], {}
     for job in sweep_jobs(overrides):
         try:
             cfg = compose_config(job)
-            result = run_time(cfg, hardware)
+            result, at_low, at_high = run_times(cfg, [hardware, low, high])
+            keys = shared_work(cfg)
         except ValueError as err:
             refused.append({"overrides": job, "error": str(err)})
             continue
+        label = (
+            f"{cfg.model.name} {cfg.policy.name} B={cfg.budget} C={cfg.chunk} "
+            f"positions={cfg.positions} batch={result.batch}"
+        )
+        stream, reference = (first.get(key) if key is not None else None for key in keys)
+        for times in (result, at_low, at_high):
+            without_shared(times, stream, reference)
+        for key in keys:
+            if key is not None:
+                first.setdefault(key, label)
         runs.append(
             {
                 "overrides": job,
-                "run": f"{cfg.model.name} {cfg.policy.name} B={cfg.budget} C={cfg.chunk} "
-                f"positions={cfg.positions} batch={result.batch}",
+                "run": label,
                 **result.as_dict(),
+                "wall_s_range": [at_low.wall_s, at_high.wall_s],
             }
         )
     total = sum(run["wall_s"] for run in runs)
+    total_range = [sum(run["wall_s_range"][i] for run in runs) for i in (0, 1)]
     return {
         "hardware": asdict(hardware),
         "assumptions": {
             "matmul_utilisation": time_model.MATMUL_UTILISATION,
             "bandwidth_utilisation": time_model.BANDWIDTH_UTILISATION,
-            "gpu_layer_overhead_s": time_model.GPU_LAYER_OVERHEAD_S,
-            "boundary_units": time_model.BOUNDARY_UNITS,
+            "gpu_launch_s": time_model.LAUNCH_S,
+            "launch_range": [low.launch_s, high.launch_s],
+            "op_counts": {name: asdict(count) for name, count in time_model.OP_COUNTS.items()},
             "documents": "every document dataset.max_tokens long",
+            "shared": "full once per sweep, each reference pass once (reuse=true, rmm.sharing)",
         },
         "runs": runs,
         "refused": refused,
         "total_wall_s": total,
         "total_device_hours": total / 3600,
+        "total_device_hours_range": [t / 3600 for t in total_range],
     }
 
 
@@ -436,24 +493,33 @@ def print_time(report: dict[str, Any]) -> None:
     hw = report["hardware"]
     print(f"{hw['name']}: {hw['note']}")
     runs = report["runs"]
+    low_s, high_s = report["assumptions"]["launch_range"]
+    at = f"at {low_s * 1e6:g} and {high_s * 1e6:g} us per launch"
     if len(runs) == 1 and not report["refused"]:
         run = runs[0]
         print(f"{run['run']}: {run['n_docs']} documents x {run['tokens_per_doc']} tokens")
         print(f"  forward passes           {run['passes']:>12d}")
+        print(f"  reference pass passes    {run['reference_passes']:>12d}")
         print(f"  streams                  {hours(run['stream_s']):>12s}  ({run['stream_s']:.1f} s)")
         print(f"  reference passes         {hours(run['reference_s']):>12s}  ({run['reference_s']:.1f} s)")
         print(f"  total                    {hours(run['wall_s']):>12s}  ({run['tokens_per_s']:.0f} tokens/s)")
-        names = {"compute": "compute-bound", "bandwidth": "bandwidth-bound", "overhead": "host overhead"}
+        low, high = (hours(s) for s in run["wall_s_range"])
+        print(f"  range                    {low:>12s} to {high} ({at})")
+        names = {"compute": "compute-bound", "bandwidth": "bandwidth-bound", "overhead": "host launches"}
         split = ", ".join(f"{names[key]} {share:.0%}" for key, share in run["shares"].items())
         print(f"  the streams' time: {split}")
     else:
         print(f"{len(runs)} runs:")
         for run in runs:
-            rate, job = run["tokens_per_s"], " ".join(run["overrides"])
-            print(f"  {hours(run['wall_s']):>10s} {rate:>10.0f} tok/s  {job}")
+            rate = f"{run['tokens_per_s']:>10.0f} tok/s" if run["wall_s"] else f"{'(shared)':>16s}"
+            print(f"  {hours(run['wall_s']):>10s} {rate}  {' '.join(run['overrides'])}")
         for run in report["refused"]:
             print(f"  refused: {' '.join(run['overrides'])}: {run['error']}")
-        print(f"total: {report['total_device_hours']:.1f} device-hours ({len(runs)} runs, one device each)")
+        low, high = report["total_device_hours_range"]
+        print(
+            f"total: {report['total_device_hours']:.1f} device-hours ({len(runs)} runs, one device each); "
+            f"{low:.1f} to {high:.1f} {at}"
+        )
     for run in runs:
         for note in run["notes"]:
             print(f"  note ({run['run']}): {note}")
@@ -580,8 +646,8 @@ def calibrate(points: list[dict[str, Any]], command: str) -> tuple[str, list[dic
             f"- effective FLOP/s: {flops:.3e}" + ("" if result.identified["flops"] else " (not identified)"),
             f"- effective bytes/s: {moved:.3e}"
             + ("" if result.identified["bytes_per_s"] else " (not identified: no point is bandwidth-bound)"),
-            f"- overhead per layer unit: {overhead * 1e3:.4f} ms"
-            + ("" if result.identified["layer_overhead_s"] else " (not identified)"),
+            f"- host cost per dispatched op: {overhead * 1e6:.2f} us"
+            + ("" if result.identified["launch_s"] else " (not identified)"),
             f"- largest relative error: {result.max_relative_error:.1%}",
             "",
             "| point | measured s | predicted s | measured tok/s | predicted tok/s | ratio |",
@@ -632,9 +698,9 @@ def main(argv: list[str] | None = None) -> None:
         "--gpu", default="h200", help=f"for --time: {', '.join(sorted(GPUS))}, or a constants JSON file"
     )
     parser.add_argument(
-        "--layer-overhead-ms",
+        "--launch-us",
         type=float,
-        help="for --time: the host cost of one layer unit in ms instead of the device's (sensitivity)",
+        help="for --time: the host cost of one dispatched op in us instead of the device's (sensitivity)",
     )
     parser.add_argument("--calibrate", type=Path, help="speed points JSON: fit the time model's constants")
     parser.add_argument("--out", type=Path, help="with --calibrate: write the Markdown table here")
@@ -653,9 +719,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.time:
         hardware = hardware_named(args.gpu)
-        if (overhead := args.layer_overhead_ms) is not None:
-            hardware = time_model.with_constants(hardware, {"layer_overhead_s": overhead / 1e3})
-            hardware = replace(hardware, note=f"{hardware.note}; overhead {overhead} ms per layer unit")
+        if (launch := args.launch_us) is not None:
+            hardware = time_model.with_constants(hardware, {"launch_s": launch / 1e6})
+            hardware = replace(hardware, note=f"{hardware.note}; {launch:g} us per dispatched op")
         report = time_report(args.overrides, hardware)
         print(json.dumps(report, indent=2)) if args.json else print_time(report)
         return

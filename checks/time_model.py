@@ -1,13 +1,11 @@
-"""The time model: expected wall time of a run from FLOPs, bytes moved and a fixed cost per forward pass.
+"""The time model: expected wall time of a run from FLOPs, bytes moved and the host cost of its ops.
 
 One forward pass of N streams' chunks of Q tokens each (every stream attending S = R + Q slots) costs
 
-    t_pass = max(FLOPs / F, bytes / W) + units * o
+    t_pass = max(FLOPs / F, bytes / W) + launches * o
 
-with F the effective FLOP/s, W the effective bytes/s and o the fixed (host) cost of one *layer unit*:
-the Python and kernel launches of one decoder layer's code, or of one stream's bounded attention in one
-layer (the engine runs the attention stream by stream, :mod:`rmm.integration`). Counted per pass
-(formulas in docs/gpu.md, "Time model"):
+with F the effective FLOP/s, W the effective bytes/s and o the host cost of one dispatched op (Python,
+the dispatcher and a kernel launch on a GPU). Counted per pass (formulas in docs/gpu.md, "Time model"):
 
 - FLOPs: 2 * P * N * Q for the matrix products (P: the layers' projection and MLP weights plus the LM
   head, hidden * vocab), 4 * L * n_heads * head_dim * Q * S per stream for attention (scores and the
@@ -17,19 +15,19 @@ layer (the engine runs the attention stream by stream, :mod:`rmm.integration`). 
   and masks read, the recorded-attention path's fp32 scores (:data:`EAGER_BYTES_PER_SCORE`), the
   activations written and read once per layer, the logits written (dtype, fp32 copy, log-softmax), and
   at every boundary the compaction's read and write of every slot;
-- units: L * (1 + N) per pass (each layer once, each stream's attention in each layer), plus
-  :data:`BOUNDARY_UNITS` per stream at every boundary (the policy's decision and the compaction work on
-  [L, H, S] at once).
+- launches: the ops one pass dispatches, a + b * L for its policy's family plus the decision's at a
+  boundary (:data:`OP_COUNTS`), the same for any N: one memory holds the whole batch, attends once per
+  layer and decides once per pass.
 
 A document of n tokens streams in the engine's schedule (:func:`schedule`); N documents of equal length
 share every pass, so a run of D documents is ceil(D / N) waves. The oracle (and the estimator
 diagnostic) add a reference pass per document (unbatched unless the caller says otherwise): a recording
 window over ``context`` positions in 256-token passes (:mod:`rmm.lookahead`).
 
-The constants (F, W, o) of a named GPU are its datasheet peaks times stated utilisations
-(:data:`GPUS`; assumptions, not measurements); a CPU's are fitted to measured runs (:func:`fit`). This
-module needs no Hydra and no torch: ``checks/plan.py`` builds the :class:`StreamShape` of a
-configured run and calls it.
+The constants (F, W, o) of a named GPU are its datasheet peaks times stated utilisations and an assumed
+cost per launch (:data:`GPUS`; assumptions, not measurements); a CPU's are fitted to measured runs
+(:func:`fit`). This module needs no Hydra and no torch: ``checks/plan.py`` builds the
+:class:`StreamShape` of a configured run and calls it.
 """
 
 from __future__ import annotations
@@ -49,12 +47,11 @@ F32, I64 = 4, 8
 MATMUL_UTILISATION = 0.5
 # Fraction of the datasheet's HBM bandwidth that streaming reads and writes reach: an assumption.
 BANDWIDTH_UTILISATION = 0.7
-# Host cost of one layer unit on a GPU (about 30 kernel launches at about 10 us of Python dispatch and
-# launch each): an assumption until checks/gpu_check.py's `speed_points` recalibrate it.
-GPU_LAYER_OVERHEAD_S = 3e-4
-# Layer units of one stream's decision at a boundary (policy observe/score, select, compaction: about a
-# hundred small operations on [L, H, S] tensors, independent of L): an assumption.
-BOUNDARY_UNITS = 4
+# Host cost of one dispatched op on a GPU in PyTorch eager (Python, the dispatcher, the kernel launch):
+# an assumption for an H200 until checks/gpu_check.py's `points` recalibrate it, stated with its range,
+# half and twice (LAUNCH_RANGE), which checks/plan.py --time prints beside the estimate.
+LAUNCH_S = 5e-6
+LAUNCH_RANGE = (0.5, 2.0)
 # Bytes moved per attention score [n_heads, Q, S] on the recorded-attention (eager) path: the dtype
 # logits written (2) and cast to fp32 (2 + 4), scaled (4 + 4), masked (4 + 4), softmax (4 + 4), the GQA
 # group sum read (4), probabilities cast back (4 + 2) and read by the weighted sum (2); counted in
@@ -71,19 +68,47 @@ BACKWARD_FLOPS_FACTOR = 1.0
 
 
 @dataclass(frozen=True)
+class OpCount:
+    """Ops one forward pass dispatches: ``fixed + per_layer * L``, plus ``boundary`` (scoring, decision,
+    compaction) when a decision follows the pass. None of them grows with the batch N."""
+
+    fixed: float
+    per_layer: float
+    boundary: float = 0.0
+
+    def launches(self, n_layers: int, boundary: bool) -> float:
+        return self.fixed + self.per_layer * n_layers + (self.boundary if boundary else 0.0)
+
+
+# Ops per forward pass by policy family, from checks/op_count.py's counter (every dispatched op, views
+# included) on Llama-3-8B's structure at B=256, C=64, counted at 2 and 4 layers (linear in L: 32 layers
+# give 2,762 for plain and 3,877 for observed, as counted at 32 layers). Counted at batch 1 on the engine
+# of commit 2faa5d8, whose pass over one document is what the batch's one memory (issue 36) does once per
+# pass for any N; that engine repeats it per document (h2o at batch 8: 15,034 ops per pass). Replace the
+# rows with results/bench/op_count.md's at batch 8 and 16 once that benchmark counts the batched memory.
+OP_COUNTS: dict[str, OpCount] = {
+    "plain": OpCount(fixed=42, per_layer=85),  # the model's own forward with a KV cache
+    "position": OpCount(fixed=106, per_layer=94, boundary=27),  # full, window, streaming_llm (its row)
+    "recorded_position": OpCount(fixed=112, per_layer=115, boundary=27),  # the reference pass
+    "score": OpCount(fixed=95, per_layer=94, boundary=108),  # no attention recorded: random (oracle alike)
+    "observed": OpCount(fixed=108, per_layer=115, boundary=89),  # attention recorded: rmm (h2o, tova below)
+}
+
+
+@dataclass(frozen=True)
 class Hardware:
     """Effective constants of a device: ``flops`` (FLOP/s) and ``bytes_per_s`` reached, and the host cost
-    ``layer_overhead_s`` of one layer unit; ``memory_bytes`` when known."""
+    ``launch_s`` of one dispatched op; ``memory_bytes`` when known."""
 
     name: str
     flops: float
     bytes_per_s: float
-    layer_overhead_s: float
+    launch_s: float
     memory_bytes: int | None = None
     note: str = ""
 
     def as_vector(self) -> np.ndarray:
-        return np.array([self.flops, self.bytes_per_s, self.layer_overhead_s])
+        return np.array([self.flops, self.bytes_per_s, self.launch_s])
 
 
 def gpu(name: str, peak_flops: float, peak_bytes_per_s: float, memory_gb: float) -> Hardware:
@@ -91,12 +116,12 @@ def gpu(name: str, peak_flops: float, peak_bytes_per_s: float, memory_gb: float)
         name=name,
         flops=peak_flops * MATMUL_UTILISATION,
         bytes_per_s=peak_bytes_per_s * BANDWIDTH_UTILISATION,
-        layer_overhead_s=GPU_LAYER_OVERHEAD_S,
+        launch_s=LAUNCH_S,
         memory_bytes=int(memory_gb * 1e9),
         note=(
             f"datasheet {peak_flops / 1e12:g} TFLOP/s bf16 dense x {MATMUL_UTILISATION}, "
             f"{peak_bytes_per_s / 1e12:g} TB/s x {BANDWIDTH_UTILISATION}, "
-            f"{GPU_LAYER_OVERHEAD_S * 1e3:g} ms per layer unit (assumptions, not measurements)"
+            f"{LAUNCH_S * 1e6:g} us per dispatched op (assumptions, not measurements)"
         ),
     )
 
@@ -174,6 +199,15 @@ class StreamShape:
     gradient: bool = False
     causal: bool = False
 
+    @property
+    def family(self) -> str:
+        """Its row of :data:`OP_COUNTS`."""
+        if self.causal:
+            return "plain"
+        if not self.per_head_masks:  # a position rule
+            return "recorded_position" if self.records_attention else "position"
+        return "observed" if self.records_attention else "score"
+
 
 def schedule(n_tokens: int, first: int, step: int) -> list[int]:
     """Tokens of every forward pass of an ``n_tokens`` stream (:meth:`rmm.engine.StreamingEngine.chunks`:
@@ -186,16 +220,16 @@ def schedule(n_tokens: int, first: int, step: int) -> list[int]:
 
 @dataclass
 class Work:
-    """FLOPs, bytes and layer units of some forward passes, and their count."""
+    """FLOPs, bytes and dispatched ops of some forward passes, and their count."""
 
     flops: float = 0.0
     bytes: float = 0.0
-    units: float = 0.0
+    launches: float = 0.0
     passes: int = 0
 
     def times(self, k: int) -> Work:
         """The work of ``k`` such passes."""
-        return Work(self.flops * k, self.bytes * k, self.units * k, self.passes * k)
+        return Work(self.flops * k, self.bytes * k, self.launches * k, self.passes * k)
 
 
 def pass_work(
@@ -225,7 +259,7 @@ def pass_work(
         if stream.records_attention:
             scores = rows * m.n_layers * queries * slots
             moved += scores * (m.n_heads * EAGER_BYTES_PER_SCORE + m.n_kv_heads * RECORDED_BYTES_PER_SCORE)
-    units = m.n_layers * (1 if stream.causal else 1 + rows)
+    launches = OP_COUNTS[stream.family].launches(m.n_layers, boundary and not stream.causal)
     if stream.gradient:
         flops *= 1 + BACKWARD_FLOPS_FACTOR
         moved += weights * BACKWARD_FLOPS_FACTOR
@@ -233,8 +267,7 @@ def pass_work(
         key_bytes = 2 * m.head_dim * element * (1.5 if stream.raw_keys else 1.0)  # K, V (+ raw K) per slot
         per_slot = 2 * (key_bytes + I64 + F32 * stream.n_state) + INDEX_BYTES_PER_SLOT
         moved += rows * layers_heads * slots * per_slot
-        units += rows * BOUNDARY_UNITS
-    return Work(flops, moved, units, 1)
+    return Work(flops, moved, launches, 1)
 
 
 def stream_work(model: ModelShape, stream: StreamShape, rows: int, element: int) -> list[Work]:
@@ -249,11 +282,11 @@ def stream_work(model: ModelShape, stream: StreamShape, rows: int, element: int)
 
 def seconds(works: Sequence[Work], hardware: Hardware) -> float:
     """Wall time of ``works`` on ``hardware``: per group of equal passes, max(FLOPs / F, bytes / W) plus
-    the layer units times o."""
+    the launches times o."""
     total = 0.0
     for work in works:
         total += max(work.flops / hardware.flops, work.bytes / hardware.bytes_per_s)
-        total += work.units * hardware.layer_overhead_s
+        total += work.launches * hardware.launch_s
     return total
 
 
@@ -264,7 +297,8 @@ class RunTime:
     n_docs: int
     tokens_per_doc: int
     batch: int
-    passes: int
+    passes: int  # the streams' forward passes
+    reference_passes: int
     stream_s: float
     reference_s: float
     shares: dict[str, float]  # of the stream's time: compute-bound, bandwidth-bound, host overhead
@@ -277,7 +311,8 @@ class RunTime:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.n_docs * self.tokens_per_doc / self.wall_s
+        """Tokens per second (infinite for a run whose work another run of its sweep did)."""
+        return self.n_docs * self.tokens_per_doc / self.wall_s if self.wall_s else math.inf
 
     def as_dict(self) -> dict:
         return asdict(self) | {"wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s}
@@ -321,12 +356,13 @@ def run_time(
     for w in works:
         compute, memory = w.flops / hardware.flops, w.bytes / hardware.bytes_per_s
         shares["compute" if compute >= memory else "bandwidth"] += max(compute, memory)
-        shares["overhead"] += w.units * hardware.layer_overhead_s
+        shares["overhead"] += w.launches * hardware.launch_s
     return RunTime(
         n_docs=n_docs,
         tokens_per_doc=tokens_per_doc,
         batch=batch,
-        passes=sum(w.passes for w in works) + sum(w.passes for w in reference_works),
+        passes=sum(w.passes for w in works),
+        reference_passes=sum(w.passes for w in reference_works),
         stream_s=stream_s,
         reference_s=seconds(reference_works, hardware),
         shares={key: value / stream_s if stream_s else 0.0 for key, value in shares.items()},
@@ -335,15 +371,15 @@ def run_time(
 
 
 def totals(works: Sequence[Work]) -> np.ndarray:
-    """[(flops, bytes, units)] per group, for the fit."""
-    return np.array([[w.flops, w.bytes, w.units] for w in works], dtype=float)
+    """[(flops, bytes, launches)] per group, for the fit."""
+    return np.array([[w.flops, w.bytes, w.launches] for w in works], dtype=float)
 
 
 # ---- calibration ------------------------------------------------------------------------------------
 def predict(groups: np.ndarray, constants: np.ndarray) -> float:
-    """Wall time of work groups [k, 3] (flops, bytes, units) under constants (F, W, o)."""
-    flops, moved, units = groups.T
-    return float(np.sum(np.maximum(flops / constants[0], moved / constants[1]) + units * constants[2]))
+    """Wall time of work groups [k, 3] (flops, bytes, launches) under constants (F, W, o)."""
+    flops, moved, launches = groups.T
+    return float(np.sum(np.maximum(flops / constants[0], moved / constants[1]) + launches * constants[2]))
 
 
 @dataclass
@@ -373,7 +409,7 @@ class Fit:
         return Hardware(name, flops, moved, overhead, note=note)
 
 
-CONSTANT_NAMES = ("flops", "bytes_per_s", "layer_overhead_s")
+CONSTANT_NAMES = ("flops", "bytes_per_s", "launch_s")
 
 
 def fit(point_groups: Sequence[np.ndarray], measured_s: Sequence[float]) -> Fit:
@@ -397,7 +433,7 @@ def fit(point_groups: Sequence[np.ndarray], measured_s: Sequence[float]) -> Fit:
     best = None
     for flops in (1e9, 1e11, 1e13, 1e15):
         for moved in (1e9, 1e11, 1e13):
-            for overhead in (1e-6, 1e-4, 1e-2):
+            for overhead in (1e-8, 1e-6, 1e-4):
                 x0 = np.log([flops, moved, overhead])
                 result = least_squares(residuals, x0, method="trf", x_scale=1.0, xtol=1e-12, ftol=1e-12)
                 if best is None or result.cost < best.cost:
@@ -407,11 +443,11 @@ def fit(point_groups: Sequence[np.ndarray], measured_s: Sequence[float]) -> Fit:
     predicted = np.array([predict(g, constants) for g in point_groups])
     identified = {name: False for name in CONSTANT_NAMES}
     for groups, total in zip(point_groups, predicted, strict=True):
-        flops, moved, units = groups.T
+        flops, moved, launches = groups.T
         compute, memory = flops / constants[0], moved / constants[1]
         identified["flops"] |= bool(np.any((compute >= memory) & (compute > 1e-3 * total)))
         identified["bytes_per_s"] |= bool(np.any((memory > compute) & (memory > 1e-3 * total)))
-        identified["layer_overhead_s"] |= bool(np.sum(units) * constants[2] > 1e-3 * total)
+        identified["launch_s"] |= bool(np.sum(launches) * constants[2] > 1e-3 * total)
     return Fit(constants, predicted, measured, identified)
 
 

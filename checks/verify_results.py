@@ -19,9 +19,10 @@ revision's runs shuffled with ``--seed``); ``--dirty-only`` keeps the runs whose
 Each sampled run's ``config.yaml`` (the resolved config it ran with) is completed with the defaults of
 config keys added since (``rmm.runner.ADDED_KEY_DEFAULTS``), checked to be the configuration that
 ``resume`` would accept as the same (``rmm.runner._changed_keys`` finds no difference), and run through
-``rmm.runner.run`` into a temporary directory (W&B disabled, no progress bar). Its ``token_nll.parquet`` is
-compared with the committed one document by document (:func:`rmm.divergence.diverge`): the same tokens
-in the same order, then per-token NLL within :data:`rmm.divergence.NLL_BOUND` until the first
+``rmm.runner.run`` into a temporary directory (W&B disabled, no progress bar, ``reuse=false``: every
+run streams). Its ``token_nll.parquet`` is compared with the committed one document by document
+(:func:`rmm.divergence.diverge`): the same tokens in the same order, then per-token NLL within
+:data:`rmm.divergence.NLL_BOUND` until the first
 difference, which must be explained by a near-tie taken before it (a decision whose margin is below
 :data:`~rmm.divergence.TIE_MARGIN`, or a ``correct`` whose margin is below
 :data:`~rmm.divergence.CORRECT_MARGIN`; the margins come from the re-run, and from the committed file
@@ -196,7 +197,7 @@ def recompose(stored: dict[str, Any]) -> dict[str, Any]:
     changed = _changed_keys(stored, config)
     if changed:
         raise ValueError(f"the completed config differs from the stored one in {changed}")
-    config["resume"], config["progress"] = False, False
+    config["resume"], config["reuse"], config["progress"] = False, False, False
     # a registered run re-made for comparison writes nothing that counts: a dirty tree may re-run it
     config["provenance"] = {**config.get("provenance", {}), "require_clean": False}
     config["wandb"] = {**config.get("wandb", {}), "mode": "disabled"}

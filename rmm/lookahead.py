@@ -19,6 +19,10 @@ from rmm.policies.window import Window
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from rmm.sharing import ReferenceCache
+
+CHUNK = 256  # tokens per forward pass of a reference pass
+
 
 class RequestRecorder:
     """Collects events (attention >= tau) chunk by chunk during a reference pass."""
@@ -54,7 +58,7 @@ class RequestRecorder:
 
 
 def record_future(
-    model: PreTrainedModel, tokens: torch.Tensor, tau: float, context: int, chunk: int = 256
+    model: PreTrainedModel, tokens: torch.Tensor, tau: float, context: int, chunk: int = CHUNK
 ) -> FutureRequests:
     """The reference pass: who attends to whom, under full attention over the last ``context`` positions.
 
@@ -70,7 +74,7 @@ def record_futures(
     streams: list[torch.Tensor],
     tau: float,
     context: int,
-    chunk: int = 256,
+    chunk: int = CHUNK,
     batch: int = 1,
 ) -> list[FutureRequests]:
     """:func:`record_future` of every stream, ``batch`` streams side by side per forward pass."""
@@ -95,21 +99,34 @@ class ReferenceRunner:
     """``reference(tokens)``: the reference pass of one stream, run at most once per stream and timed.
 
     Shared by a policy's ``prepare`` (the oracle) and the estimator diagnostic; ``wall_s`` sums the time
-    spent in reference passes. :meth:`prefetch` runs the passes of several streams side by side ahead
-    of their calls (the batch a run streams next).
+    spent in reference passes (or reading them from ``cache``). :meth:`prefetch` runs the passes of
+    several streams side by side ahead of their calls (the batch a run streams next). With a ``cache``
+    (:class:`rmm.sharing.ReferenceCache`), every pass of the same streams, settings and model that ran
+    before is read from it instead, and every pass that runs is written to it.
     """
 
-    def __init__(self, model: PreTrainedModel, tau: float, context: int):
-        self.model, self.tau, self.context = model, tau, context
+    def __init__(self, model: PreTrainedModel, tau: float, context: int, cache: ReferenceCache | None = None):
+        self.model, self.tau, self.context, self.cache = model, tau, context, cache
         self.wall_s = 0.0
         self._last: tuple[torch.Tensor, FutureRequests] | None = None
         self._ahead: dict[int, tuple[torch.Tensor, FutureRequests]] = {}
 
+    def _record(self, streams: list[torch.Tensor], batch: int) -> list[FutureRequests]:
+        """:func:`record_futures` of ``streams``, through the cache when there is one; timed."""
+        start = time.perf_counter()
+        settings = {"tau": self.tau, "context": self.context, "chunk": CHUNK, "batch": batch}
+        path = self.cache.path(streams, settings) if self.cache is not None else None
+        futures = self.cache.load(path) if path is not None else None
+        if futures is None:
+            futures = record_futures(self.model, streams, self.tau, self.context, CHUNK, batch)
+            if path is not None:
+                self.cache.store(path, futures)
+        self.wall_s += time.perf_counter() - start
+        return futures
+
     def prefetch(self, streams: list[torch.Tensor], batch: int) -> None:
         """Run the reference passes of ``streams``, ``batch`` per forward pass; each is kept until called."""
-        start = time.perf_counter()
-        futures = record_futures(self.model, streams, self.tau, self.context, batch=batch)
-        self.wall_s += time.perf_counter() - start
+        futures = self._record(streams, batch)
         self._ahead.update(
             {id(tokens): (tokens, future) for tokens, future in zip(streams, futures, strict=True)}
         )
@@ -118,12 +135,7 @@ class ReferenceRunner:
         if self._last is not None and self._last[0] is tokens:
             return self._last[1]
         ahead = self._ahead.pop(id(tokens), None)
-        if ahead is not None and ahead[0] is tokens:
-            future = ahead[1]
-        else:
-            start = time.perf_counter()
-            future = record_future(self.model, tokens, self.tau, self.context)
-            self.wall_s += time.perf_counter() - start
+        future = ahead[1] if ahead is not None and ahead[0] is tokens else self._record([tokens], 1)[0]
         self._last = (tokens, future)
         return future
 

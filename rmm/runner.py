@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from rmm import api, provenance
+from rmm import api, provenance, sharing
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
@@ -21,7 +22,7 @@ from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
 from rmm.policies import Policy, ScorePolicy, make_policy
 from rmm.policies.select import SCOPES
 from rmm.recording import POSITIONS
-from rmm.storage import read_config, read_metrics, run_is_complete, write_run
+from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,12 @@ class RunSetup:
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Execute the run described by ``cfg`` and write it to ``run_dir``; returns its metrics."""
+    """Execute the run described by ``cfg`` and write it to ``run_dir``; returns its metrics.
+
+    With ``reuse`` (the default), a budget-free policy's run takes the results of a complete run beside
+    ``run_dir`` that differs only in the budget (:func:`rmm.sharing.find_reusable_run`), and reference
+    passes are read from and written to ``<run_dir>/../.reference`` (:class:`rmm.sharing.ReferenceCache`).
+    """
     code = provenance.capture()  # the code as this process found it (run.py captured before Hydra)
     run_dir = Path(run_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -48,40 +54,82 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     _check_options(cfg)
     if OmegaConf.select(cfg, "provenance.require_clean", default=False):
         code.require_clean()  # a registered study's run: refused from a dirty tree, before the model loads
-    environment = {**code.metrics(), **provenance.runtime_info(resolve_device(cfg.device))}
-    setup = build(cfg)
+    device = resolve_device(cfg.device)
+    environment = {**code.metrics(), **provenance.runtime_info(device)}
+    reusing = cfg.get("reuse", True) and sharing.known_code(environment)
+    identity = sharing.reference_identity(config, device, resolve_dtype(cfg.dtype, device), environment)
+    cache = sharing.ReferenceCache(run_dir.parent / sharing.CACHE_DIR, identity) if reusing else None
+    setup = build(cfg, cache)
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
-        progress = tqdm(
-            total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name
-        )
-        stream_metrics, tokens = api.stream_run(
-            setup.model,
-            setup.docs,
-            setup.policy,
-            setup.reference,
-            positions=cfg.positions,
-            scope=cfg.scope,
-            allocation=cfg.get("allocation", "uniform"),
-            layers=cfg.get("layers", "all"),
-            batch=cfg.get("batch", 1),
-            estimator=_estimating(cfg, setup.policy),
-            on_chunk=lambda totals, doc: RunningPerplexity(totals, progress, tracker),
-        )
-        progress.close()
-        metrics = {
-            **stream_metrics,
-            "n_skipped_short": setup.data_stats.n_skipped_short,
-            "model": cfg.model.name,
-            "dataset": cfg.dataset.name,
-            "seed": cfg.seed,
-            "run_name": cfg.run_name,
-            **_parameters(config, "policy"),
-            **_parameters(config, "dataset"),
-            **environment,
-        }
+        reused = _reused(cfg, run_dir, config, environment, setup) if reusing else None
+        if reused is not None:
+            metrics, tokens = reused
+        else:
+            metrics, tokens = _stream(cfg, config, setup, tracker, environment)
         write_run(run_dir, config, metrics, tokens, code_diff=code.diff)
         tracker.finish(metrics, position_perplexity(tokens))
     return metrics
+
+
+def _stream(
+    cfg: DictConfig, config: dict, setup: RunSetup, tracker: Tracker, environment: dict[str, Any]
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """Stream the documents of ``setup``: the run's metrics and per-token frame."""
+    progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
+    stream_metrics, tokens = api.stream_run(
+        setup.model,
+        setup.docs,
+        setup.policy,
+        setup.reference,
+        positions=cfg.positions,
+        scope=cfg.scope,
+        allocation=cfg.get("allocation", "uniform"),
+        layers=cfg.get("layers", "all"),
+        batch=cfg.get("batch", 1),
+        estimator=_estimating(cfg, setup.policy),
+        on_chunk=lambda totals, doc: RunningPerplexity(totals, progress, tracker),
+    )
+    progress.close()
+    metrics = {
+        **stream_metrics,
+        "n_skipped_short": setup.data_stats.n_skipped_short,
+        "model": cfg.model.name,
+        "dataset": cfg.dataset.name,
+        "seed": cfg.seed,
+        "run_name": cfg.run_name,
+        **_parameters(config, "policy"),
+        **_parameters(config, "dataset"),
+        **environment,
+    }
+    return metrics, tokens
+
+
+def _reused(
+    cfg: DictConfig, run_dir: Path, config: dict, environment: dict[str, Any], setup: RunSetup
+) -> tuple[dict[str, Any], pd.DataFrame] | None:
+    """The metrics and per-token frame of a complete run that this one would repeat exactly: its policy
+    ignores the budget, and a run beside it differs only in the budget (:func:`rmm.sharing.find_reusable_run`:
+    the same config but for the budget, the same code, machine, device and dtype) and streamed the same
+    documents, token for token. None when there is none."""
+    if cfg.budget is None or setup.policy.budget is not None:
+        return None  # the policy keeps the configured budget: its results depend on it
+    parameter = next(setup.model.parameters())
+    expected = {
+        **environment,
+        "device": str(parameter.device),
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+    }
+    source = sharing.find_reusable_run(run_dir, config, expected)
+    if source is None:
+        return None
+    metrics, tokens = read_metrics(source), read_tokens(source)
+    if metrics.get("n_skipped_short") != setup.data_stats.n_skipped_short or not sharing.same_documents(
+        tokens, setup.docs
+    ):
+        return None
+    log.info("%s streams as %s did (its policy ignores the budget): reusing its results", run_dir, source)
+    origin = metrics.get(sharing.REUSED_FROM) or str(source)
+    return {**metrics, "run_name": cfg.run_name, sharing.REUSED_FROM: origin}, tokens
 
 
 def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
@@ -96,8 +144,9 @@ def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
     return read_metrics(run_dir)
 
 
-def build(cfg: DictConfig) -> RunSetup:
-    """Policy, model, documents and (when needed) the reference pass."""
+def build(cfg: DictConfig, reference_cache: sharing.ReferenceCache | None = None) -> RunSetup:
+    """Policy, model, documents and (when needed) the reference pass (its passes read from and written to
+    ``reference_cache`` when given)."""
     dataset = check_dataset(cfg.dataset)  # resolved once: loading reads this, not the node
     policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
     device = resolve_device(cfg.device)
@@ -115,7 +164,7 @@ def build(cfg: DictConfig) -> RunSetup:
     reference = None
     if policy.needs_reference or _estimating(cfg, policy):
         context = configured_reference_context(cfg, dims["max_position_embeddings"], longest)
-        reference = ReferenceRunner(model, cfg.oracle.tau, context)
+        reference = ReferenceRunner(model, cfg.oracle.tau, context, reference_cache)
     return RunSetup(policy, model, docs, data_stats, reference)
 
 
@@ -180,8 +229,10 @@ def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
 # batch (documents per forward pass) changes a document's results only by fp32 rounding (docs/semantics.md).
 # model.pip and model.assemble say how a gguf_package model is installed and its GGUF written, not what runs.
 # provenance.require_clean only refuses a run from uncommitted code; the runs it lets through are the same.
+# reuse takes results that this run would compute again exactly (rmm.sharing).
 _NOT_RESULTS = {
     "resume",
+    "reuse",
     "progress",
     "wandb",
     "batch",

@@ -3,24 +3,34 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from conftest import SENTENCES, assert_agree, tiny_model, tiny_tokenizer
 from hydra import compose, initialize_config_dir
 
-from rmm import runner
+from rmm import lookahead, runner, sharing
 from rmm.data import load_documents
 from rmm.divergence import Trace, diverge
 from rmm.engine import StreamingEngine
-from rmm.lookahead import record_future
+from rmm.lookahead import record_future, record_futures
 from rmm.models import load_model
 from rmm.policies import POLICIES, make_policy
 from rmm.runner import run
-from rmm.storage import CONFIG_FILE, TOKEN_SCHEMA, read_metrics, read_tokens
+from rmm.storage import (
+    CONFIG_FILE,
+    DIFF_FILE,
+    TOKEN_SCHEMA,
+    read_config,
+    read_metrics,
+    read_tokens,
+    write_run,
+)
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 CPU = torch.device("cpu")
@@ -320,3 +330,87 @@ def test_smollm2_run_reports_the_plain_forward_perplexity(tmp_path):
         total += model(ids, labels=ids).loss.item() * (ids.numel() - 1)
     assert metrics["n_tokens"] == 2 * 95
     assert metrics["ppl"] == pytest.approx(math.exp(total / metrics["n_tokens"]), rel=1e-5)
+
+
+def _no_streaming(*args, **kwargs):
+    raise AssertionError("this run should have reused another's results")
+
+
+def test_full_at_another_budget_reuses_the_run_beside_it(tiny_setup, tmp_path, monkeypatch):
+    """``full`` ignores the budget: at B=16 it writes the B=12 run's per-token file and metrics (with
+    ``reused_from``) without streaming, and resumes like any run."""
+    first, second = tmp_path / "B12", tmp_path / "B16"
+    computed = run(config(tiny_setup, "policy=full", "budget=12"), first)
+    monkeypatch.setattr(runner.api, "stream_run", _no_streaming)
+    reused = run(config(tiny_setup, "policy=full", "budget=16"), second)
+    assert reused[sharing.REUSED_FROM] == str(first) and sharing.REUSED_FROM not in computed
+    assert reused == {**computed, "run_name": reused["run_name"], sharing.REUSED_FROM: str(first)}
+    assert reused == read_metrics(second) and read_config(second)["budget"] == 16
+    pd.testing.assert_frame_equal(read_tokens(second), read_tokens(first))
+    third = run(config(tiny_setup, "policy=full", "budget=20"), tmp_path / "B20")  # a reused run's origin
+    assert third[sharing.REUSED_FROM] == str(first)
+    stamp = (second / "metrics.json").stat().st_mtime_ns
+    run(config(tiny_setup, "policy=full", "budget=16"), second)  # complete: resumed
+    assert (second / "metrics.json").stat().st_mtime_ns == stamp
+
+
+def _change_metric(run_dir: Path, key: str, value) -> None:
+    metrics = read_metrics(run_dir)
+    (run_dir / "metrics.json").write_text(json.dumps({**metrics, key: value}))
+
+
+def _change_a_token(run_dir: Path) -> None:
+    tokens = read_tokens(run_dir)
+    tokens.loc[5, "token_id"] += 1
+    diff = run_dir / DIFF_FILE
+    code_diff = diff.read_bytes() if diff.exists() else None
+    write_run(run_dir, read_config(run_dir), read_metrics(run_dir), tokens, code_diff)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "edit"),
+    [
+        (["dataset.max_tokens=32"], [], None),
+        (["chunk=8"], [], None),
+        (["batch=2"], [], None),
+        (["seed=1"], [], None),
+        (["dtype=bfloat16"], [], None),
+        ([], ["reuse=false"], None),
+        ([], [], lambda run_dir: _change_metric(run_dir, "torch_threads", 99)),  # another machine's
+        ([], [], lambda run_dir: _change_metric(run_dir, "git_revision", "0" * 40)),  # other code's
+        ([], [], _change_a_token),  # other documents under the same config
+        (["policy=h2o"], ["policy=h2o"], None),  # a policy that keeps its budget
+    ],
+    ids=["max_tokens", "chunk", "batch", "seed", "dtype", "reuse=false", "threads", "code", "tokens", "h2o"],
+)
+def test_a_changed_setting_prevents_reuse(tiny_setup, tmp_path, first, second, edit):
+    """Anything but the budget that may change results makes the second run stream its documents."""
+    source = tmp_path / "B12"
+    run(config(tiny_setup, "policy=full", "budget=12", *first), source)
+    if edit is not None:
+        edit(source)
+    metrics = run(config(tiny_setup, "policy=full", "budget=16", *second), tmp_path / "B16")
+    assert sharing.REUSED_FROM not in metrics
+
+
+def test_the_reference_pass_runs_once_across_budgets(tiny_setup, tmp_path, monkeypatch):
+    """The oracle at two budgets runs its reference pass once (read from the cache beside the runs the
+    second time); its results equal those of a run without the cache."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[1]))
+        return record_futures(*args, **kwargs)
+
+    monkeypatch.setattr(lookahead, "record_futures", counted)
+    for budget in (12, 16):
+        metrics = run(config(tiny_setup, "policy=oracle", f"budget={budget}"), tmp_path / f"B{budget}")
+        assert metrics["reference_wall_s"] > 0
+    assert calls == [N_DOCS]  # one pass of the three documents side by side (batch 4), at B=12 only
+    assert len(list((tmp_path / sharing.CACHE_DIR).glob("*.pt"))) == 1
+    fresh = tmp_path / "uncached" / "B16"
+    run(config(tiny_setup, "policy=oracle", "budget=16", "reuse=false"), fresh)
+    assert calls == [N_DOCS, N_DOCS] and not (fresh.parent / sharing.CACHE_DIR).exists()
+    pd.testing.assert_frame_equal(read_tokens(tmp_path / "B16"), read_tokens(fresh))
+    run(config(tiny_setup, "policy=oracle", "budget=16", "oracle.tau=0.05"), tmp_path / "tau")
+    assert calls == [N_DOCS] * 3  # other reference settings: another pass

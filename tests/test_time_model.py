@@ -58,13 +58,47 @@ def test_pass_work_follows_the_stated_formulas():
     params = 2 * (8 * (4 + 4) * 2 + 4 * 2 * 8 + 3 * 8 * 16) + 8 * 10
     assert model.matmul_params == params
     assert work.flops == 2 * params * tokens + 4 * 2 * 4 * 2 * 4 * slots * 3
-    assert work.units == 2 * (1 + 3)  # each layer once, each stream's attention in each layer
+    ops = time_model.OP_COUNTS["position"]  # a position rule: one shared mask per layer
+    assert work.launches == ops.fixed + ops.per_layer * 2  # the whole batch's pass, whatever N
     kv = 3 * 2 * 2 * slots * 2 * 2 * 2  # rows x L x H x S x head_dim x (K, V) x bf16
     activations = 2 * tokens * 2 * (4 * 8 + (4 + 4) * 2 + 3 * 16) * 2
     masks = 3 * 2 * 4 * slots  # a shared [Q, S] mask read per layer and stream
     assert work.bytes == params * 2 + kv + activations + tokens * 10 * (2 + 8) + masks
     boundary = time_model.pass_work(model, stream, rows=3, queries=4, element=2, boundary=True)
-    assert boundary.units == work.units + 3 * time_model.BOUNDARY_UNITS and boundary.bytes > work.bytes
+    assert boundary.launches == work.launches + ops.boundary and boundary.bytes > work.bytes
+
+
+@pytest.mark.parametrize(
+    ("policy", "family"),
+    [
+        ("full", "position"),
+        ("window", "position"),
+        ("random", "score"),
+        ("h2o", "observed"),
+        ("rmm", "observed"),
+    ],
+)
+def test_launches_per_pass_are_the_op_counts_whatever_the_batch(policy, family):
+    """Ops per pass: a + b L for the policy's family, plus d at a boundary, the same at every batch (one
+    memory for the batch attends once per layer and decides once per pass); times the cost per launch."""
+    cfg = planner.compose_config([*LLAMA3_8B, f"policy={policy}"])
+    model, _, _, spec = planner.time_works(cfg)
+    stream = planner.stream_shape(spec.recording, spec.n_tokens, spec.budget)
+    assert stream.family == family
+    ops = time_model.OP_COUNTS[family]
+    for boundary in (False, True):
+        launches = {
+            time_model.pass_work(model, stream, rows, 64, 2, boundary).launches for rows in (1, 4, 16)
+        }
+        assert launches == {ops.fixed + ops.per_layer * 32 + (ops.boundary if boundary else 0)}
+    work = time_model.pass_work(model, stream, 4, 64, 2, True)
+    with_host, without = (
+        time_model.seconds([work], time_model.with_constants(GPUS["h200"], {"launch_s": s}))
+        for s in (time_model.LAUNCH_S, 0.0)
+    )
+    assert with_host - without == pytest.approx(work.launches * 5e-6)
+    plain = time_model.OP_COUNTS["plain"]
+    assert plain.launches(32, False) == 2762 and ops.launches(32, True) <= 1.6 * plain.launches(32, False)
 
 
 def test_gpu_time_is_the_roofline_plus_overhead():
@@ -111,6 +145,36 @@ def test_sweep_jobs_follow_hydras_basic_sweeper():
     assert planner.sweep_jobs(["budget=64"]) == [["budget=64"]]
 
 
+def test_a_sweep_counts_what_its_runs_share_once():
+    """full at its second budget and the oracle's reference passes at its second budget are what the
+    runner reuses (rmm.sharing): counted once; reuse=false counts them again. The total comes with its
+    range at half and twice the cost per launch."""
+    report = planner.time_report([*LLAMA3_8B, "policy=full,oracle,h2o", "budget=512,1024"], GPUS["h200"])
+    runs = {
+        tuple(o for o in run["overrides"] if o.startswith(("policy=", "budget="))): run
+        for run in report["runs"]
+    }
+    full, again = runs["budget=512", "policy=full"], runs["budget=1024", "policy=full"]
+    assert full["wall_s"] > 0 and again["wall_s"] == again["passes"] == 0 and "reuses" in again["notes"][0]
+    oracle, other = runs["budget=512", "policy=oracle"], runs["budget=1024", "policy=oracle"]
+    assert oracle["reference_s"] > 0 and other["reference_s"] == other["reference_passes"] == 0
+    assert other["stream_s"] > 0 and all(
+        run["wall_s"] > 0 for (p, _), run in runs.items() if p == "policy=h2o"
+    )
+    unshared = planner.time_report(
+        [*LLAMA3_8B, "policy=full,oracle,h2o", "budget=512,1024", "reuse=false"], GPUS["h200"]
+    )
+    assert unshared["total_wall_s"] == pytest.approx(
+        report["total_wall_s"] + full["wall_s"] + oracle["reference_s"]
+    )
+    low, high = report["total_device_hours_range"]
+    for hours, factor in ((low, 0.5), (high, 2.0)):
+        slower = time_model.with_constants(GPUS["h200"], {"launch_s": time_model.LAUNCH_S * factor})
+        shifted = planner.time_report([*LLAMA3_8B, "policy=full,oracle,h2o", "budget=512,1024"], slower)
+        assert hours == pytest.approx(shifted["total_device_hours"])
+    assert low < report["total_device_hours"] < high
+
+
 def test_cli_time_of_a_sweep(capsys: pytest.CaptureFixture[str]):
     planner.main([*LLAMA3_8B, "policy=h2o,window,oracle", "--time", "--gpu", "h100", "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -141,7 +205,7 @@ def test_bench_points_as_bench_writes_them():
 
 
 # ---- calibration on synthetic points: the fit recovers the constants that made them ------------------
-TRUE = np.array([2.0e10, 8.0e9, 5.0e-5])  # CPU-like: effective FLOP/s, bytes/s, seconds per layer unit
+TRUE = np.array([2.0e10, 8.0e9, 1.0e-5])  # CPU-like: effective FLOP/s, bytes/s, seconds per launch
 
 
 def synthetic_points() -> list[dict]:
