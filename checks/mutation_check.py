@@ -79,8 +79,8 @@ MUTANTS = [
     Mutant(
         "rank_rotation",
         "rmm/memory.py",
-        "rotary.table(torch.arange(retained, device=device))",
-        "rotary.table(torch.arange(1, retained + 1, device=device))",
+        "lag[..., None] + torch.arange(self.retained, device=self.device)",
+        "lag[..., None] + torch.arange(1, self.retained + 1, device=self.device)",
         "positions=cache, score-based: retained keys rotated to rank + 1",
     ),
     Mutant(
@@ -128,15 +128,15 @@ MUTANTS = [
     Mutant(
         "gradient_sign",
         "rmm/memory.py",
-        "utility = (probs * (reach - per_value)).sum(dim=1)",
-        "utility = (probs * (per_value - reach)).sum(dim=1)",
+        "utility = (probs * (reach - per_value)).sum(dim=2)",
+        "utility = (probs * (per_value - reach)).sum(dim=2)",
         "rmm weight=gradient: u_s(j) = +dl/dz instead of -dl/dz (the loss derivative's sign)",
     ),
     Mutant(
         "gradient_chunk_detached",
         "rmm/memory.py",
-        "return torch.cat([kept, graph_key], dim=1), chunk_values",
-        "return torch.cat([kept, graph_key.detach()], dim=1), chunk_values.detach()",
+        "return torch.cat([kept, graph_key], dim=2), chunk_values",
+        "return torch.cat([kept, graph_key.detach()], dim=2), chunk_values.detach()",
         "rmm weight=gradient: the chunk's own keys and values detached (later queries' losses lost)",
     ),
 ]

@@ -89,11 +89,14 @@ PHASES: dict[tuple[object, str], str] = {
     (integration, "_attend"): "attention",  # bounded_attention calls it through the module global
     (SlotMemory, "begin_chunk"): "masks",
     (SlotMemory, "enter_layer"): "masks",
+    (SlotMemory, "folded_mask"): "masks",
     (POLICY, "observe"): "scoring",
     (POLICY, "score"): "scoring",
     (engine, "select"): "decision",
     (engine, "decision_margin"): "decision",
     (engine, "kept_digest"): "decision",
+    (engine, "rule_keep"): "decision",
+    (SlotMemory, "alive"): "decision",
     (SlotMemory, "compact"): "compaction",
 }
 PHASE_NAMES = ("model", "attention", "masks", "scoring", "decision", "compaction")

@@ -116,7 +116,7 @@ def scratch_parts(
     arch: dict[str, Any], recording: RecordingPlan, n_tokens: int, element: int = F32
 ) -> tuple[int, int]:
     """The two parts of :func:`scratch_bytes`: (one stream's masks, recorded attention and utility, which
-    live through the pass; what one layer of one stream's attention adds while it runs)."""
+    live through the pass; what one stream adds to one layer's attention while it runs)."""
     retained, chunk = recording.slots(n_tokens)
     record, sinks, gradient = recording.record_attention, recording.n_sink_slots > 0, recording.track_gradient
     slots = retained + chunk
@@ -132,6 +132,12 @@ def scratch_parts(
     per_layer = 3 * arch["num_attention_heads"] * chunk * slots * F32 if record else 0
     if gradient:  # the attended keys and values [H, S, D], concatenated with the chunk's own in the graph
         per_layer += 2 * arch["num_key_value_heads"] * slots * arch["head_dim"] * element
+    if not record and arch["num_attention_heads"] > arch["num_key_value_heads"]:  # the fused call's mask,
+        folded = arch["num_attention_heads"] * chunk * slots  # with the query group folded into its rows
+        if recording.rule is not None:  # one for every layer (the sinks' additive one), kept through the pass
+            per_stream += folded * (element if sinks else BOOL) // arch["num_key_value_heads"]
+        else:  # a layer's own, while the layer runs
+            per_layer += folded * BOOL
     return per_stream, per_layer
 
 
@@ -144,35 +150,45 @@ def scratch_bytes(
     and heads for position rules, [L, H, Q, S] for score-based policies; the blocked mask (its
     complement) exists when attention is recorded or sinks re-rotated, and re-rotated sinks add an
     additive mask [Q, S] of ``element`` bytes (the model's dtype). Recording also keeps the chunk's
-    attention [L, H, C, S] fp32. The attention runs one stream at a time, so the fp32 logits, masked
-    logits and probabilities [n_heads, C, S] (three at once) of one layer of one stream exist at a time.
-    With gradient tracking (rmm's ``weight=gradient``) the backward pass keeps those three of every layer
-    of every stream, with the keys and values [H, S, D] each layer attended (in ``element`` bytes), plus
-    each stream's utility [L, H, C, S] fp32.
+    attention [L, H, C, S] fp32. The attention runs one layer at a time for every stream at once, so
+    the fp32 logits, masked logits and probabilities [N, n_heads, C, S] (three at once) of one layer exist
+    at a time; the fused path (nothing recorded, G > 1 query heads per KV head) folds the group into the
+    mask's rows, [Q, G * S] per KV head: once per pass for position rules (and their sinks' additive mask),
+    per layer otherwise. With gradient tracking (rmm's ``weight=gradient``) the backward pass keeps those
+    three of every layer, with the keys and values [N, H, S, D] each layer attended (in ``element``
+    bytes), plus each stream's utility [L, H, C, S] fp32.
     """
     per_stream, per_layer = scratch_parts(arch, recording, n_tokens, element)
-    kept = batch * arch["num_hidden_layers"] if recording.track_gradient else 1
-    return batch * per_stream + kept * per_layer
+    kept = arch["num_hidden_layers"] if recording.track_gradient else 1
+    return batch * (per_stream + kept * per_layer)
 
 
 def activation_bytes(
-    arch: dict[str, Any], chunk: int, dtype: torch.dtype, *, gradient: bool = False, batch: int = 1
+    arch: dict[str, Any],
+    chunk: int,
+    dtype: torch.dtype,
+    *,
+    gradient: bool = False,
+    sinks: bool = False,
+    batch: int = 1,
 ) -> int:
     """An estimate of one forward pass of ``batch`` streams' chunks of ``chunk`` tokens: hidden states,
     q/k/v, the MLP, and the logits.
 
-    Per token and kept layer: 4 hidden vectors, q/k/v, 3 MLP intermediates in ``dtype``. The logits
-    [N, C, V] in ``dtype``, their fp32 copy (none when ``dtype`` is fp32) and one stream's log-softmax
-    [C, V] fp32 at a time (the engine scores stream by stream). Without autograd one layer's activations
-    live at a time; rmm's ``weight=gradient`` keeps every layer's, and every stream's log-softmax, for
-    its backward pass.
+    Per token and kept layer: 4 hidden vectors, q/k/v, 3 MLP intermediates in ``dtype``, and with
+    re-rotated sinks (``sinks``) the fp32 merge of the sink slots' and the fused call's outputs (4 of
+    [n_heads, D]). The logits [N, C, V] in ``dtype``, their fp32 copy (none when ``dtype`` is fp32) and
+    their log-softmax [N, C, V] fp32 (every stream scored at once). Without autograd one layer's
+    activations live at a time; rmm's ``weight=gradient`` keeps every layer's for its backward pass.
     """
     element = torch.empty(0, dtype=dtype).element_size()
     kept_layers = arch["num_hidden_layers"] if gradient else 1
     qkv = (arch["num_attention_heads"] + 2 * arch["num_key_value_heads"]) * arch["head_dim"]
     per_layer = (4 * arch["hidden_size"] + qkv + 3 * arch["intermediate_size"]) * element
+    if sinks:
+        per_layer += 4 * arch["num_attention_heads"] * arch["head_dim"] * F32
     logits = batch * chunk * arch["vocab_size"] * (element + (F32 if dtype != torch.float32 else 0))
-    log_softmax = (batch if gradient else 1) * chunk * arch["vocab_size"] * F32
+    log_softmax = batch * chunk * arch["vocab_size"] * F32
     return batch * chunk * kept_layers * per_layer + logits + log_softmax
 
 
@@ -221,7 +237,12 @@ def plan(cfg: DictConfig, chunk: int | None = None, batch: int | None = None) ->
     kv = kv_bytes(arch, recording, n_tokens, dtype)
     scratch = scratch_bytes(arch, recording, n_tokens, element, batch)
     activations = activation_bytes(
-        arch, recording.slots(n_tokens)[1], dtype, gradient=recording.track_gradient, batch=batch
+        arch,
+        recording.slots(n_tokens)[1],
+        dtype,
+        gradient=recording.track_gradient,
+        sinks=recording.n_sink_slots > 0,
+        batch=batch,
     )
     reference, others = 0, 0
     if spec.reference is not None:

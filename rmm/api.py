@@ -27,7 +27,7 @@ from rmm.data import Document
 from rmm.engine import ChunkHook, StreamHooks, StreamingEngine, StreamRequest, StreamResult, layer_entries
 from rmm.future import FutureRequests
 from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
-from rmm.memory import SlotMemory
+from rmm.memory import RowView
 from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model
 from rmm.policies import Observation, Policy, ScorePolicy, make_policy
@@ -314,7 +314,7 @@ def stream_metrics(
 def _estimator_hook(policy: Policy, future: FutureRequests, pairs: list):
     """Record (policy score, remaining reference attention mass) of each position as it commits."""
 
-    def hook(memory: SlotMemory, obs: Observation, now: int, scores: torch.Tensor) -> None:
+    def hook(view: RowView, obs: Observation, now: int, scores: torch.Tensor) -> None:
         key_pos = obs.key_pos
         edge = now - policy.protected
         committing = (key_pos >= edge - policy.chunk) & (key_pos < edge)

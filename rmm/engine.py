@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rmm import integration, selfcheck
-from rmm.memory import SlotMemory, record_gradients
+from rmm.memory import RowView, SlotMemory, record_gradients
 from rmm.models import UnsupportedModelError, describe_model
 from rmm.policies import Observation, Policy, ScorePolicy
 from rmm.policies.select import (
@@ -37,13 +37,13 @@ from rmm.selfcheck import SelfCheck
 LAYERS = ("all", "global")  # as rmm.config.LAYERS, which checks configs without torch
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-# called before each decision of a score-based policy:
-# (memory, observation of the chunk, now, the policy's scores [L, H, R + Q] that the decision selects from)
-DecisionHook = Callable[[SlotMemory, Observation, int, torch.Tensor], None]
+# called before each decision of a score-based policy: (the stream's view of the memory, observation of
+# the chunk, now, the policy's scores [L, H, R + Q] that the decision selects from)
+DecisionHook = Callable[[RowView, Observation, int, torch.Tensor], None]
 # called after each chunk: (tokens streamed so far, nll [Q'] of the chunk's scored predictions)
 ChunkHook = Callable[[int, torch.Tensor], None]
-# called after each decision: (memory, now, evicted [L, H, S] with -1 where kept)
-BoundaryHook = Callable[[SlotMemory, int, torch.Tensor], None]
+# called after each decision: (the stream's view of the memory, now, evicted [L, H, S] with -1 where kept)
+BoundaryHook = Callable[[RowView, int, torch.Tensor], None]
 
 
 @dataclass
@@ -181,19 +181,18 @@ class StreamingEngine:
         starts = [0, *range(first, n_tokens, step)] if first < n_tokens else [0]
         return [(start, min(start + (first if start == 0 else step), n_tokens)) for start in starts]
 
-    def forward(
-        self, memories: list[SlotMemory], tokens: torch.Tensor, position_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """One pass of N streams' chunks ``tokens`` [N, Q] at ``position_ids`` [N, Q], row i over
-        ``memories[i]``: logits [N, Q, V] (float32). The model's attention must be the bounded attention
-        (:func:`rmm.integration.install`)."""
-        with integration.active(memories):  # the attention function finds them there, not in kwargs
+    def forward(self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One pass of the memory's N streams: chunks ``tokens`` [N, Q] at ``position_ids`` [N, Q], row i
+        over the memory's row i: logits [N, Q, V] (float32). The model's attention must be the bounded
+        attention (:func:`rmm.integration.install`)."""
+        with integration.active(memory):  # the attention function finds it there, not in kwargs
             out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
         return out.logits.float()
 
-    def new_memory(self, n_tokens: int, plan: RecordingPlan) -> SlotMemory:
+    def new_memory(self, n_tokens: int, plan: RecordingPlan, rows: int = 1) -> SlotMemory:
+        """A memory of ``rows`` streams of up to ``n_tokens`` tokens under ``plan``."""
         retained, chunk = plan.slots(n_tokens)
-        return SlotMemory(plan, self.shape, retained, chunk, self.rotary, self.dtype, self.device)
+        return SlotMemory(plan, self.shape, retained, chunk, self.rotary, self.dtype, self.device, rows)
 
     def stream(
         self,
@@ -214,11 +213,12 @@ class StreamingEngine:
     ) -> Iterator[tuple[int, StreamResult, float]]:
         """Stream ``requests`` side by side, up to ``batch`` (default: the engine's) in one forward pass.
 
-        Each stream has its own memory, policy, positions and decisions; streams share no entry, so a
-        stream's outcome does not depend on the others (to fp32 rounding of the batched matrix products).
-        Streams whose next chunks have equal lengths share a pass; a finished stream leaves and the next
-        request takes its place (requests are drawn lazily, outside the model's attention switch, so a
-        request may run the model, e.g. an oracle's reference pass, while it is made).
+        The streams are the rows of one :class:`~rmm.memory.SlotMemory`: each has its own slots,
+        policy, positions and decisions, and streams share no entry, so a stream's outcome does not
+        depend on the others (to fp32 rounding of the batched products). Every pass takes every running
+        stream's next chunk (a shorter one padded); a finished stream leaves and the next request takes
+        its row (requests are drawn lazily, outside the model's attention switch, so a request may run
+        the model, e.g. an oracle's reference pass, while it is made).
 
         Yields (index of the request, its result, its share of the passes' wall time in seconds) as
         each stream finishes.
@@ -226,99 +226,241 @@ class StreamingEngine:
         batch = self.batch if batch is None else batch
         check_batch(batch)
         pending = iter(enumerate(requests))
-        active: list[_Stream] = []
+        rows: list[_Stream | None] = []  # the memory's rows: a running stream, or None once it finished
+        memory: SlotMemory | None = None
         while True:
-            for index, request in itertools.islice(pending, batch - len(active)):
+            free = [row for row, stream in enumerate(rows) if stream is None]
+            for index, request in itertools.islice(pending, len(free) + batch - len(rows)):
                 n = request.tokens.numel()
                 if n < 2:
                     raise ValueError(f"a stream needs at least 2 tokens to score one prediction, got {n}")
                 self.self_check(request.tokens)
-                active.append(_Stream(self, request, index))
-            if not active:
+                stream = _Stream(self, request, index)
+                if free:
+                    rows[free.pop(0)] = stream
+                else:
+                    rows.append(stream)
+            running = [stream for stream in rows if stream is not None]
+            if not running:
                 return
+            memory = self._fit(memory, rows)
+            rows = running
             with integration.install(self.model):
-                while not any(stream.done for stream in active):
-                    groups: dict[int, list[_Stream]] = {}
-                    for stream in active:
-                        groups.setdefault(stream.next_length, []).append(stream)
-                    for group in groups.values():
-                        self._pass(group)
-            finished = [stream for stream in active if stream.done]
-            active = [stream for stream in active if not stream.done]
-            while finished:  # a finished stream's memory is released before the next ones are drawn
-                done = finished.pop(0)
-                outcome = done.index, done.result(), done.wall_s
-                del done
-                yield outcome
+                while not any(stream.done for stream in rows):
+                    self._pass(memory, rows)
+            outcomes = [(s.index, s.result(memory), s.wall_s) for s in rows if s.done]
+            rows = [None if stream.done else stream for stream in rows]
+            yield from outcomes
 
-    def _pass(self, streams: list[_Stream]) -> None:
-        """One forward pass of the streams' next chunks (all of one length), then each stream's decision."""
+    def _check_padding(self, starts: list[int], lengths: list[int]) -> None:
+        """Refuse a pass whose padded rows (a shorter chunk padded to the pass's widest) would reach past
+        the model's table of positions (padded queries continue the positions: :mod:`rmm.memory`)."""
+        width = max(lengths)
+        reach = max(start + width for start, length in zip(starts, lengths, strict=True) if length < width)
+        if self.max_positions is not None and reach > self.max_positions:
+            raise UnsupportedModelError(
+                f"{integration.describe(self.model)} has a table of {self.max_positions} positions, but a "
+                f"document's last chunk, padded to the {width} tokens of the batch's pass, reaches position "
+                f"{reach - 1}; cut the documents to a multiple of the chunk below {self.max_positions} "
+                "tokens, or use batch=1"
+            )
+
+    def _fit(self, memory: SlotMemory | None, rows: list[_Stream | None]) -> SlotMemory:
+        """The memory for ``rows`` (index: the memory's row; None: a finished stream's row that no new one
+        took): made for the first streams, or with the free rows dropped and rows added as needed, grown
+        where a new stream needs more slots; a new stream's row emptied."""
+        running = [stream for stream in rows if stream is not None]
+        longest = max(stream.tokens.numel() for stream in running)
+        plan = self.plan.observed() if any(s.hooks.observer is not None for s in running) else self.plan
+        if memory is None:
+            memory = self.new_memory(longest, plan, rows=len(rows))
+        else:
+            if len(rows) > memory.rows:
+                memory.add_rows(len(rows) - memory.rows)
+            if len(running) < len(rows):
+                memory.keep_rows([row for row, stream in enumerate(rows) if stream is not None])
+        memory.grow(*plan.slots(longest))
+        if plan.record_attention:
+            memory.record_all_attention()
+        for row, stream in enumerate(running):  # the rows, renumbered as the memory kept them
+            if stream.row < 0:  # a new stream
+                memory.reset_row(row)
+            stream.row = row
+        return memory
+
+    def _pass(self, memory: SlotMemory, rows: list[_Stream]) -> None:
+        """One forward pass of every row's next chunk, then each stream's decision."""
         start = time.perf_counter()
-        chunks = [stream.begin() for stream in streams]
-        tokens = torch.stack([chunk for chunk, _ in chunks])
-        position_ids = torch.stack([position for _, position in chunks])
+        starts = [stream.schedule[stream.step][0] for stream in rows]
+        lengths = [stream.next_length for stream in rows]
+        if min(lengths) < max(lengths):
+            self._check_padding(starts, lengths)
+        position_ids = memory.begin_chunk(starts, lengths)  # [N, Q]
+        width = max(lengths)
+        tokens, targets = [], []
+        for stream, first, length in zip(rows, starts, lengths, strict=True):
+            at = [first + min(q, length - 1) for q in range(width)]  # a padded query repeats the last token
+            tokens.append([stream.ids[p] for p in at])
+            targets.append([stream.ids[min(p + 1, len(stream.ids) - 1)] for p in at])
+        tokens_t = torch.tensor(tokens, device=self.device)
+        targets_t = torch.tensor(targets, device=self.device)
         tracking = self.plan.track_gradient
         # autograd only for a policy that needs the gradient utility, and only for this pass
         with torch.enable_grad() if tracking else contextlib.nullcontext():
-            logits = self.forward([stream.memory for stream in streams], tokens, position_ids)  # [N, Q, V]
-            losses = [stream.score(logits[i]) for i, stream in enumerate(streams)]
+            logits = self.forward(memory, tokens_t, position_ids)  # [N, Q, V]
+            log_probs = torch.log_softmax(logits, dim=-1)
+            token_nll = -log_probs.gather(-1, targets_t[..., None])[..., 0]  # [N, Q]
+            scored = [
+                min(first + length, stream.tokens.numel() - 1) - first
+                for stream, first, length in zip(rows, starts, lengths, strict=True)
+            ]
             if tracking:
-                record_gradients([stream.memory for stream in streams], losses)
-        for stream in streams:
-            self._decide(stream)
+                counted = (
+                    torch.arange(width, device=self.device)
+                    < torch.tensor(scored, device=self.device)[:, None]
+                )
+                record_gradients(memory, (token_nll * counted).sum() if max(scored) > 0 else None)
+        detached = log_probs.detach()
+        top = detached.topk(2, dim=-1).values  # how far the argmax is ahead of the runner-up
+        outcome = (token_nll.detach(), detached.argmax(dim=-1) == targets_t, top[..., 0] - top[..., 1])
+        memory.count_attended()
+        self._decide(memory, rows, outcome, scored)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        share = (time.perf_counter() - start) / len(streams)
-        for stream in streams:
+        share = (time.perf_counter() - start) / len(rows)
+        for stream in rows:
             stream.wall_s += share
 
-    def _decide(self, stream: _Stream) -> None:
-        """After a stream's pass: record its outcomes, let a score-based policy observe the chunk, and at a
-        boundary choose what the memory keeps."""
-        memory, policy, plan, hooks = stream.memory, stream.policy, stream.plan, stream.hooks
-        start, stop = stream.schedule[stream.step]
-        token_nll, token_correct = stream.record(start)
-        stream.step += 1
-        n, query_pos = stream.tokens.numel(), memory.query_pos
-        stream.attended += memory.attended_total()
-        if hooks.on_chunk is not None:
-            hooks.on_chunk(stop, token_nll)
-        obs = None
-        if plan.rule is None:  # a score-based policy observes the chunk
-            outcomes = {}
-            if "outcomes" in policy.needs:
-                outcomes = _outcomes(query_pos, token_nll, token_correct)
-            observed = memory.observed(policy.needs)
-            obs = Observation(memory.chunk_key_pos(), query_pos, **observed, **outcomes, **self.constants)
-            policy.observe(memory.state_view(), obs)
-        if hooks.observer is not None:
-            hooks.observer(memory.chunk_attention(), memory.chunk_key_pos(), query_pos)
-        if stop == n:
-            return
-        key_pos = memory.chunk_key_pos()
-        if obs is not None:
-            # entries a layer's own window hides from now on are gone: no policy ranks them
-            valid = memory.alive(stop)
-            obs.key_pos = key_pos = torch.where(valid, key_pos, -1)
-            scores = policy.score(memory.state_view(), obs, stop)
-            if hooks.before_boundary is not None:
-                hooks.before_boundary(memory, obs, stop, scores)
-            how = (self.scope, policy.scope_reduce, self.floor)
-            keep = select(scores, key_pos, valid, self.capacity, *how)
-            stream.decided(
-                stop, decision_margin(scores, key_pos, valid, keep, *how), kept_digest(keep, key_pos)
+    def _decide(
+        self,
+        memory: SlotMemory,
+        rows: list[_Stream],
+        outcome: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        scored: list[int],
+    ) -> None:
+        """After a pass: record each stream's outcomes (``outcome``: nll, correct, margin [N, Q]; the first
+        ``scored[i]`` of row i have a target), let score-based policies observe their chunk, and at a
+        boundary choose what every row keeps, then compact all rows at once."""
+        plan = self.plan
+        _copy_all(
+            (
+                stream.outcome_slots(stream.schedule[stream.step][0], scored[i]),
+                (x[i, : scored[i]] for x in outcome),
             )
+            for i, stream in enumerate(rows)
+        )
+        outcomes = None
+        if plan.rule is None and "outcomes" in rows[0].policy.needs:  # 0 for a query without a target
+            width = outcome[0].shape[1]
+            targets = (
+                torch.arange(width, device=self.device) < torch.tensor(scored, device=self.device)[:, None]
+            )
+            nll = outcome[0].masked_fill(~targets, 0)
+            outcomes = {
+                "correct": (outcome[1] & targets).float(),
+                "prob": torch.exp(-nll) * targets,
+                "nll": nll,
+            }
+        stops, views = [], []
+        for i, stream in enumerate(rows):
+            view = memory.row(i)
+            views.append(view)
+            stop = stream.schedule[stream.step][1]
+            stops.append(stop)
+            stream.step += 1
+            hooks, policy = stream.hooks, stream.policy
+            if hooks.on_chunk is not None:
+                hooks.on_chunk(stop, outcome[0][i, : scored[i]])
+            if plan.rule is None:  # a score-based policy observes the chunk
+                own = {} if outcomes is None else {k: v[i, : view.n_q] for k, v in outcomes.items()}
+                stream.obs = Observation(
+                    view.chunk_key_pos(),
+                    view.query_pos,
+                    **view.observed(policy.needs),
+                    **own,
+                    **self.constants,
+                )
+                policy.observe(view.state_view(), stream.obs)
+            if hooks.observer is not None:
+                hooks.observer(view.chunk_attention(), view.chunk_key_pos(), view.query_pos)
+        deciding = [i for i, stream in enumerate(rows) if not stream.done]
+        if not deciding:
+            return
+        now = torch.tensor(stops, device=self.device)
+        if plan.rule is None:
+            keep = self._select(memory, rows, views, stops, deciding, now)
         else:
-            keep = rule_keep(plan.rule, stop, key_pos)
+            keep = rule_keep(plan.rule, now, memory.chunk_key_pos())
             if plan.exempt:  # layers the rule leaves alone keep what their window shows
-                exempt = torch.tensor(plan.exempt, device=keep.device)[:, None, None]
-                keep = torch.where(exempt, memory.alive(stop), keep)
-        evicted = memory.compact(keep)
-        evicted_pos = evicted[evicted >= 0]
-        stream.age_sum += float((stop - evicted_pos).sum())
-        stream.n_evicted += evicted_pos.numel()
-        if hooks.on_boundary is not None:
-            hooks.on_boundary(memory, stop, evicted)
+                exempt = torch.tensor(plan.exempt, device=keep.device)[:, None, None, None]
+                keep = torch.where(exempt, memory.alive(now), keep)
+        evicted = memory.compact(keep, now)
+        for i in deciding:
+            if rows[i].hooks.on_boundary is not None:
+                rows[i].hooks.on_boundary(views[i], stops[i], evicted[:, i, :, : views[i].n])
+
+    def _select(
+        self,
+        memory: SlotMemory,
+        rows: list[_Stream],
+        views: list[RowView],
+        stops: list[int],
+        deciding: list[int],
+        now: torch.Tensor,
+    ) -> torch.Tensor:
+        """Score-based policies' keep mask [L, N, H, S] at the boundaries ``stops`` (``now`` [N]): each
+        stream's policy scores its own row; selection, its margins and digests run once for the rows
+        ``deciding`` (the others keep what they hold)."""
+        valid = memory.alive(now)  # [L, N, H, S]: entries a layer's own window hides from now on are gone
+        key_pos = torch.where(valid, memory.chunk_key_pos(), -1)
+        width = valid.shape[-1]
+        scores = []
+        for i in deciding:
+            stream, view = rows[i], views[i]
+            obs = stream.obs
+            obs.key_pos = key_pos[:, i, :, : view.n]  # no policy ranks what is gone
+            score = stream.policy.score(view.state_view(), obs, stops[i])
+            if stream.hooks.before_boundary is not None:
+                stream.hooks.before_boundary(view, obs, stops[i], score)
+            scores.append(torch.nn.functional.pad(score, (0, width - view.n)) if view.n < width else score)
+        how = (self.scope, rows[deciding[0]].policy.scope_reduce, self.floor)
+
+        def decide(score: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor):
+            keep = select(score, positions, alive, self.capacity, *how)
+            return keep, decision_margin(score, positions, alive, keep, *how), kept_digest(keep, positions)
+
+        if len(deciding) == len(rows):
+            picked = (key_pos.movedim(1, 0), valid.movedim(1, 0))
+        else:
+            index = torch.tensor(deciding, device=self.device)
+            picked = (
+                key_pos.index_select(1, index).movedim(1, 0),
+                valid.index_select(1, index).movedim(1, 0),
+            )
+        if len(deciding) == 1:
+            keep, margin, digest = (x[None] for x in decide(scores[0], *(x[0] for x in picked)))
+        else:  # one computation for every deciding row, each on its own [L, H, S]
+            keep, margin, digest = torch.func.vmap(decide)(torch.stack(scores), *picked)
+        _copy_all((rows[i].decision_slots(stops[i]), (margin[j], digest[j])) for j, i in enumerate(deciding))
+        if len(deciding) == len(rows):
+            return keep.movedim(0, 1)
+        full = valid.clone()
+        full[:, index] = keep.movedim(0, 1)
+        return full
+
+
+def _copy_all(pairs: Iterable[tuple[Iterable[torch.Tensor], Iterable[torch.Tensor]]]) -> None:
+    """Copy every source into its destination, (destinations, sources) per item, in one call per dtype
+    (a stream's slices of a pass's batched outcomes into its own buffers)."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for destinations, sources in pairs:
+        for destination, source in zip(destinations, sources, strict=True):
+            if destination.numel():
+                into, out = groups.setdefault(destination.dtype, ([], []))
+                into.append(destination)
+                out.append(source)
+    for into, out in groups.values():
+        torch._foreach_copy_(into, out)
 
 
 @dataclass
@@ -343,16 +485,18 @@ class StreamRequest:
 
 
 class _Stream:
-    """One stream's state while it runs: memory, chunk schedule, outcomes so far."""
+    """One stream's state while it runs: its row of the memory, chunk schedule, outcomes so far."""
 
     def __init__(self, engine: StreamingEngine, request: StreamRequest, index: int):
         self.index, self.policy, self.hooks = index, request.policy, request.hooks
-        self.tokens = request.tokens.to(engine.device)
+        self.tokens = request.tokens
+        self.ids: list[int] = request.tokens.tolist()  # read on the host to build each pass's batch
         n = self.tokens.numel()
-        self.plan = engine.plan if request.hooks.observer is None else engine.plan.observed()
-        self.memory = engine.new_memory(n, self.plan)
-        self.schedule = engine.chunks(n, self.plan)
+        plan = engine.plan if request.hooks.observer is None else engine.plan.observed()
+        self.schedule = engine.chunks(n, plan)
         self.step = 0
+        self.row = -1  # its row in the memory (set when the memory takes it)
+        self.obs: Observation | None = None  # the observation of its last chunk
         self.nll = torch.empty(n - 1, device=engine.device)
         self.correct = torch.empty(n - 1, dtype=torch.bool, device=engine.device)
         self.margin = torch.empty(n - 1, device=engine.device)
@@ -360,8 +504,7 @@ class _Stream:
         self.boundaries: list[int] = []
         self.decisions = torch.empty(len(self.schedule), *engine.shape[:2], device=engine.device)
         self.digests = torch.empty(self.decisions.shape, dtype=torch.long, device=engine.device)
-        self.attended, self.age_sum, self.n_evicted, self.wall_s = 0.0, 0.0, 0, 0.0
-        self._scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.wall_s = 0.0
 
     @property
     def done(self) -> bool:
@@ -372,51 +515,28 @@ class _Stream:
         start, stop = self.schedule[self.step]
         return stop - start
 
-    def begin(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next chunk's tokens [Q] and the position ids [Q] to feed the model."""
-        start, stop = self.schedule[self.step]
-        return self.tokens[start:stop], self.memory.begin_chunk(
-            torch.arange(start, stop, device=self.tokens.device)
-        )
+    def outcome_slots(self, start: int, n_scored: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the NLL, correctness and margin [Q'] of the chunk starting at ``start`` go (Q' scored
+        queries)."""
+        stop = start + n_scored
+        return self.nll[start:stop], self.correct[start:stop], self.margin[start:stop]
 
-    def score(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Score the chunk's predictions from its logits [Q, V]; returns their summed NLL (in the pass's
-        graph when it has one), None when no query of the chunk has a target."""
-        start, stop = self.schedule[self.step]
-        n_scored = min(stop, self.tokens.numel() - 1) - start
-        targets = self.tokens[start + 1 : start + 1 + n_scored]
-        log_probs = torch.log_softmax(logits[:n_scored], dim=-1)
-        token_nll = -log_probs.gather(-1, targets[:, None])[:, 0]
-        detached = log_probs.detach()
-        top = detached.topk(2, dim=-1).values  # how far the argmax is ahead of the runner-up
-        self._scored = (token_nll, detached.argmax(dim=-1) == targets, top[:, 0] - top[:, 1])
-        return token_nll.sum() if n_scored else None
-
-    def record(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the NLL, correctness and its margin [Q'] of the scored chunk starting at ``start`` (Q' scored
-        queries) and return the NLL and correctness."""
-        assert self._scored is not None
-        token_nll, token_correct, margin = self._scored[0].detach(), self._scored[1], self._scored[2]
-        self._scored = None
-        self.nll[start : start + token_nll.numel()] = token_nll
-        self.correct[start : start + token_nll.numel()] = token_correct
-        self.margin[start : start + token_nll.numel()] = margin
-        return token_nll, token_correct
-
-    def decided(self, now: int, margin: torch.Tensor, digest: torch.Tensor) -> None:
-        """Record the margin [L, H] and the kept sets' digests [L, H] of the decision at boundary ``now``."""
-        self.decisions[len(self.boundaries)] = margin
-        self.digests[len(self.boundaries)] = digest
+    def decision_slots(self, now: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the margin [L, H] and the kept sets' digests [L, H] of the decision at ``now`` go."""
+        k = len(self.boundaries)
         self.boundaries.append(now)
+        return self.decisions[k], self.digests[k]
 
-    def result(self) -> StreamResult:
+    def result(self, memory: SlotMemory) -> StreamResult:
+        """The finished stream's result; its totals are read from its row of ``memory`` (one read)."""
+        attended, age_sum, n_evicted = memory.totals[self.row].tolist()
         k = len(self.boundaries)
         return StreamResult(
             self.nll.float().cpu(),
             self.correct.cpu(),
-            self.attended,
-            self.age_sum,
-            self.n_evicted,
+            attended,
+            age_sum,
+            int(n_evicted),
             self.margin.float().cpu(),
             torch.tensor(self.boundaries, dtype=torch.long),
             self.decisions[:k].float().cpu(),
@@ -472,13 +592,3 @@ def check_windows(
             f"{name} has a layer that attends only {min(windows)} past positions; choose smaller "
             "policy parameters (e.g. policy.partition) or another policy"
         )
-
-
-def _outcomes(query_pos: torch.Tensor, nll: torch.Tensor, correct: torch.Tensor) -> dict[str, torch.Tensor]:
-    """correct, prob and nll [Q] of the chunk's queries, 0 for the document's last query (no target)."""
-    pad = query_pos.numel() - nll.numel()
-    return {
-        "correct": torch.nn.functional.pad(correct.float(), (0, pad)),
-        "prob": torch.nn.functional.pad(torch.exp(-nll), (0, pad)),
-        "nll": torch.nn.functional.pad(nll.float(), (0, pad)),
-    }

@@ -2,11 +2,12 @@
 
 The engine streams chunks through an unmodified Hugging Face causal LM. Every attention layer calls
 :func:`bounded_attention` (registered in transformers' ``AttentionInterface``), which reads and writes
-the layer's slots in the :class:`~rmm.memory.SlotMemory` of the stream: the memory made :func:`active`
-for the forward pass (no keyword has to travel through the model's layers). The model's masks reach it
-unevaluated: :func:`model_mask` is registered as the attention's ``AttentionMaskInterface``, so each
-layer hands over the model's own mask function (causal, sliding window, attention chunks), which the
-memory evaluates at original positions. Nothing model-specific is copied.
+the layer's slots in the :class:`~rmm.memory.SlotMemory` of the pass (one row per stream, one call per
+layer for the whole batch): the memory made :func:`active` for the forward pass (no keyword has to
+travel through the model's layers). The model's masks reach it unevaluated: :func:`model_mask` is
+registered as the attention's ``AttentionMaskInterface``, so each layer hands over the model's own
+mask function (causal, sliding window, attention chunks), which the memory evaluates at original
+positions. Nothing model-specific is copied.
 
 Attention features the bounded attention reproduces: causal softmax attention with the model's own
 ``scaling``, multi-head and grouped-query heads, sliding and chunked windows per layer type, attention
@@ -64,8 +65,8 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 # layer types without attention that carry no state from token to token (a chunk boundary changes nothing)
 STATELESS_LAYER_TYPES = frozenset({"mlp", "moe", "dense", "ffn"})
 
-# the memories of the streams in the running pass, one per batch row; the attention function reads them
-_ACTIVE: list[list[SlotMemory]] = []
+# the memory of the running pass (one row per stream); the attention function reads it
+_ACTIVE: list[SlotMemory] = []
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ class Visibility:
     window: int | None
 
     def __call__(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        """bool [..., Q, S] for query_pos [Q] and key_pos [..., S] (original positions)."""
-        q, k = query_pos[:, None], key_pos[..., None, :]
+        """bool [..., Q, S] for query_pos [..., Q] and key_pos [..., S] (original positions, broadcast)."""
+        q, k = query_pos[..., :, None], key_pos[..., None, :]
         visible = k <= q
         if self.mask_function is not None:
             visible = visible & torch.as_tensor(self.mask_function(0, 0, q, k), device=k.device)
@@ -115,16 +116,16 @@ def bounded_attention(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention of a chunk's queries over the layer's retained slots plus the chunk itself.
+    """Attention of a pass's queries over the layer's retained slots plus the chunk itself, every row of
+    the batch in one call.
 
     Parameters
     ----------
     query : [N, n_heads, Q, head_dim], rotated by the model at the positions the engine passed; row i is
-        the chunk of the i-th stream of the pass, which attends over its own memory only.
+        the chunk of the memory's i-th stream, which attends over its own slots only.
     key, value : [N, n_kv_heads, Q, head_dim] for the chunks' tokens.
     attention_mask : the model's mask for this layer type (:class:`ModelMask`; None: plain causal).
-    kv_memory : a slot memory to use for a single row (default: the memories made :func:`active` for
-        this pass, one per row).
+    kv_memory : the slot memory to use (default: the memory made :func:`active` for this pass).
     sliding_window : the layer's window W: keys W or more positions back are hidden.
     softcap : attention logit soft-capping, logits -> softcap * tanh(logits / softcap).
     s_aux : learned attention sinks [n_heads], one extra logit per head in the softmax's denominator.
@@ -134,20 +135,16 @@ def bounded_attention(
     -------
     attn_output : [N, Q, n_heads, head_dim]
     """
-    memories = [kv_memory] if kv_memory is not None else (_ACTIVE[-1] if _ACTIVE else None)
-    if memories is None:
+    memory = kv_memory if kv_memory is not None else (_ACTIVE[-1] if _ACTIVE else None)
+    if memory is None:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' is only usable through rmm.engine.StreamingEngine")
-    _check_call(module, query, key, value, memories, attention_mask, kwargs)
+    _check_call(module, query, key, value, memory, attention_mask, kwargs)
     mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
     if mask_function is causal_mask_function:
         mask_function = None
     plain = mask_function is None and sliding_window is None
     visible = None if plain else Visibility(mask_function, sliding_window)
-    rows = [
-        _attend(module.layer_idx, query[i], key[i], value[i], memory, visible, scaling, softcap, s_aux)
-        for i, memory in enumerate(memories)
-    ]
-    out = rows[0][None] if len(rows) == 1 else torch.stack(rows)  # [N, n_heads, Q, D]
+    out = _attend(module.layer_idx, query, key, value, memory, visible, scaling, softcap, s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -162,59 +159,64 @@ def _attend(
     softcap: float | None,
     s_aux: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One stream's attention: query [n_heads, Q, D], key and value [n_kv_heads, Q, D] over its memory
-    -> [n_heads, Q, D]."""
+    """The batch's attention: query [N, n_heads, Q, D], key and value [N, n_kv_heads, Q, D] over the
+    memory's rows -> [N, n_heads, Q, D]."""
     kv_memory.enter_layer(layer, visible)
-    n_kv = key.shape[0]
-    q = query.view(n_kv, -1, query.shape[1], query.shape[2])  # [H, G, Q, D]
+    rows, n_kv, n_q, head_dim = key.shape
+    group = query.shape[1] // n_kv
+    q = query.reshape(rows, n_kv, group, n_q, head_dim)  # [N, H, G, Q, D]
     if kv_memory.capture is not None:
         kv_memory.capture(layer, q, key)
-    keys, values = kv_memory.attend_keys_values(layer, key, value)  # [H, S, D] each
-    allowed = kv_memory.allowed_mask(layer)  # [H or 1, Q, S] bool
-    sink_query = kv_memory.sink_query(layer, q)  # [H, G, Q, D] or None (cache positions, sinks)
+    keys, values = kv_memory.attend_keys_values(layer, key, value)  # [N, H, S, D] each
+    sink_query = kv_memory.sink_query(layer, q)  # [N, H, G, Q, D] or None (cache positions, sinks)
     if kv_memory.record_queries:
         kv_memory.store_queries(layer, q)
 
     if attention_path(kv_memory, softcap, s_aux) == "fused":
-        if sink_query is None:
+        if sink_query is None:  # the group folded into the rows: keys and values are never repeated
             out = F.scaled_dot_product_attention(
-                q, keys[:, None], values[:, None], attn_mask=allowed[:, None], scale=scaling, enable_gqa=True
+                q.reshape(rows, n_kv, group * n_q, head_dim),
+                keys,
+                values,
+                attn_mask=kv_memory.folded_mask(layer, group),
+                scale=scaling,
             )
         else:
             out = _attention_with_sinks(q, sink_query, keys, values, kv_memory, layer, scaling)
-    else:
-        wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for an fp64 model
-        logits = torch.matmul(q, keys[:, None].transpose(-1, -2)).to(wide) * scaling  # [H, G, Q, S]
-        if sink_query is not None:
-            n_sinks = kv_memory.n_sink_slots
-            sink_logits = (
-                torch.matmul(sink_query, keys[:, None, :n_sinks].transpose(-1, -2)).to(wide) * scaling
-            )
-            logits[..., :n_sinks] = sink_logits
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        blocked = kv_memory.blocked_mask(layer)
-        logits = logits.masked_fill((~allowed if blocked is None else blocked)[:, None], float("-inf"))
-        if s_aux is None:
-            probs = torch.softmax(logits, dim=-1)
-        else:  # one more logit per query head, whose probability is dropped
-            sinks = s_aux.to(wide).view(n_kv, -1, 1, 1).expand(-1, -1, logits.shape[2], 1)
-            probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
-        if kv_memory.record_attention:
-            kv_memory.store_attention(layer, probs.sum(dim=1))  # GQA group summed: [H, Q, S]
-        out = torch.matmul(probs.to(values.dtype), values[:, None])  # [H, G, Q, D]
-        if kv_memory.track_gradient:
-            out = kv_memory.track_output(layer, probs, values, out)
-    return out.reshape(-1, out.shape[-2], out.shape[-1])  # [n_heads, Q, D]
+        return out.reshape(rows, n_kv * group, n_q, head_dim)
+    wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for an fp64 model
+    logits = torch.matmul(q, keys[:, :, None].transpose(-1, -2)).to(wide) * scaling  # [N, H, G, Q, S]
+    if sink_query is not None:
+        n_sinks = kv_memory.n_sink_slots
+        sink_keys = keys[:, :, None, :n_sinks].transpose(-1, -2)
+        logits[..., :n_sinks] = torch.matmul(sink_query, sink_keys).to(wide) * scaling
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    blocked = kv_memory.blocked_mask(layer)
+    logits = logits.masked_fill(
+        (~kv_memory.allowed_mask(layer) if blocked is None else blocked)[:, :, None], float("-inf")
+    )
+    if s_aux is None:
+        probs = torch.softmax(logits, dim=-1)
+    else:  # one more logit per query head, whose probability is dropped
+        sinks = s_aux.to(wide).view(1, n_kv, group, 1, 1).expand(rows, -1, -1, n_q, 1)
+        probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+    if kv_memory.record_attention:
+        kv_memory.store_attention(layer, probs.sum(dim=2))  # GQA group summed: [N, H, Q, S]
+    out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [N, H, G, Q, D]
+    if kv_memory.track_gradient:
+        out = kv_memory.track_output(layer, probs, values, out)
+    return out.reshape(rows, n_kv * group, n_q, head_dim)
 
 
 def attention_path(kv_memory: SlotMemory, softcap: float | None, s_aux: torch.Tensor | None) -> str:
     """Which computation a layer's attention takes: ``fused`` (scaled_dot_product_attention over the
     memory, nothing materialised) unless the probabilities are needed, then ``explicit`` (logits and
-    probabilities materialised in fp32, fp64 for an fp64 model). They are needed when the stream's plan
-    records attention (a policy that reads it, the gradient utility, or an observer:
+    probabilities materialised in fp32, fp64 for an fp64 model). They are needed when the memory records
+    attention (a policy that reads it, the gradient utility, or an observer:
     ``RecordingPlan.observed``), or when the model asks for a logit softcap or attention-sink logits
-    (``s_aux``)."""
+    (``s_aux``). The fused call never passes ``enable_gqa`` with a mask (which sends CUDA to its unfused
+    math kernel): the query group is folded into the rows instead."""
     if kv_memory.record_attention or softcap is not None or s_aux is not None:
         return "explicit"
     return "fused"
@@ -232,42 +234,38 @@ def _attention_with_sinks(
     """Attention where the first ``n_sink_slots`` slots see the query re-rotated to its cache rank.
 
     The sink slots' logits (a few dot products per query) are computed apart; the other slots keep
-    PyTorch's fused kernel. On CPU the fused call returns its log-sum-exp, and the two parts are merged
-    exactly by their log-sum-exps; elsewhere one fused call takes an additive bias that turns the sink
-    slots' logits into the re-rotated ones.
+    PyTorch's fused kernel, with the query group folded into the rows. On CPU the fused call returns its
+    log-sum-exp, and the two parts are merged exactly by their log-sum-exps; elsewhere one fused call
+    takes an additive bias that turns the sink slots' logits into the re-rotated ones.
 
     Parameters
     ----------
-    q, sink_query : [H, G, Q, D], the query as the model rotated it and re-rotated to its cache rank.
-    keys, values : [H, S, D].
+    q, sink_query : [N, H, G, Q, D], the query as the model rotated it and re-rotated to its cache rank.
+    keys, values : [N, H, S, D].
 
     Returns
     -------
-    out : [H, G, Q, D]
+    out : [N, H, G * Q, D]
     """
+    rows, n_kv, group, n_q, head_dim = q.shape
     n_sinks = kv_memory.n_sink_slots
-    sink_keys = keys[:, None, :n_sinks].transpose(-1, -2)  # [H, 1, D, n]
-    blocked = kv_memory.blocked_mask(layer)[:, None, :, :n_sinks]  # [H or 1, 1, Q, n]
-    sink_logits = (torch.matmul(sink_query, sink_keys).float() * scaling).masked_fill(blocked, float("-inf"))
-    other_bias = kv_memory.other_slots_bias(layer)[:, None]  # [H or 1, 1, Q, S]: sinks and blocked -inf
+    flat = q.reshape(rows, n_kv, group * n_q, head_dim)
+    sink_keys = keys[:, :, :n_sinks].transpose(-1, -2)  # [N, H, D, n]
+    blocked = kv_memory.blocked_mask(layer)[:, :, None, :, :n_sinks]  # [N, H or 1, 1, Q, n]
+    sink_logits = torch.matmul(sink_query, sink_keys[:, :, None]).float() * scaling  # [N, H, G, Q, n]
+    sink_logits = sink_logits.masked_fill(blocked, float("-inf")).reshape(rows, n_kv, group * n_q, n_sinks)
+    other_bias = kv_memory.folded_mask(layer, group, bias=True)  # [N, H or 1, G * Q, S]
     if _cpu_kernel_with_lse(q):
-        n_heads, group = q.shape[:2]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q,
-            keys[:, None].expand(n_heads, group, -1, -1),
-            values[:, None].expand(n_heads, group, -1, -1),
-            attn_mask=other_bias,
-            scale=scaling,
-        )  # out [H, G, Q, D], lse [H, G, Q] over the non-sink slots (each query sees itself there)
-        total = torch.logaddexp(lse.float(), torch.logsumexp(sink_logits, dim=-1))  # [H, G, Q]
-        sink_out = torch.matmul(torch.exp(sink_logits - total[..., None]), values[:, None, :n_sinks].float())
+            flat, keys, values, attn_mask=other_bias, scale=scaling
+        )  # out [N, H, G * Q, D], lse [N, H, G * Q] over the non-sink slots (each query sees itself there)
+        total = torch.logaddexp(lse.float(), torch.logsumexp(sink_logits, dim=-1))  # [N, H, G * Q]
+        sink_out = torch.matmul(torch.exp(sink_logits - total[..., None]), values[:, :, :n_sinks].float())
         return (out.float() * torch.exp(lse.float() - total)[..., None] + sink_out).to(values.dtype)
-    plain_logits = torch.matmul(q, sink_keys).float() * scaling
-    bias = other_bias.expand(q.shape[0], q.shape[1], -1, -1).clone()
+    plain_logits = torch.matmul(flat, sink_keys).float() * scaling
+    bias = other_bias.expand(rows, n_kv, -1, -1).clone()
     bias[..., :n_sinks] = (sink_logits - plain_logits).to(bias.dtype)
-    return F.scaled_dot_product_attention(
-        q, keys[:, None], values[:, None], attn_mask=bias, scale=scaling, enable_gqa=True
-    )
+    return F.scaled_dot_product_attention(flat, keys, values, attn_mask=bias, scale=scaling)
 
 
 def _cpu_kernel_with_lse(query: torch.Tensor) -> bool:
@@ -347,11 +345,11 @@ def install(model: PreTrainedModel) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def active(memories: list[SlotMemory]) -> Iterator[None]:
-    """``with active(memories):`` the bounded attention reads ``memories[i]`` for batch row i during the
+def active(memory: SlotMemory) -> Iterator[None]:
+    """``with active(memory):`` the bounded attention reads ``memory`` (row i for batch row i) during the
     block (the engine's forward pass; no keyword has to travel through the model's layers, which some
     drop)."""
-    _ACTIVE.append(memories)
+    _ACTIVE.append(memory)
     try:
         yield
     finally:
@@ -444,7 +442,7 @@ def _check_call(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    memories: list[SlotMemory],
+    memory: SlotMemory,
     attention_mask: object,
     kwargs: dict,
 ) -> None:
@@ -462,14 +460,13 @@ def _check_call(
             "transformers' mask interface, so the bounded attention cannot tell what it hides"
         )
     layer = getattr(module, "layer_idx", None)
-    memory = memories[0]
-    n_layers, n_kv, head_dim = memory.keys.shape[0], memory.keys.shape[1], memory.keys.shape[-1]
+    n_layers, n_kv, head_dim = memory.keys.shape[0], memory.keys.shape[2], memory.keys.shape[-1]
     if not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise UnsupportedModelError(f"{name} has no layer index in [0, {n_layers}) (layer_idx={layer!r})")
-    if query.shape[0] != len(memories) or key.shape[0] != len(memories):
+    if query.shape[0] != memory.keys.shape[1] or key.shape[0] != memory.keys.shape[1]:
         raise UnsupportedModelError(
-            f"{name} hands attention a batch of {query.shape[0]} rows for {len(memories)} streams: the "
-            "model reshapes its batch, which the bounded attention cannot follow"
+            f"{name} hands attention a batch of {query.shape[0]} rows for {memory.keys.shape[1]} streams: "
+            "the model reshapes its batch, which the bounded attention cannot follow"
         )
     if key.shape[1] != n_kv or query.shape[1] % n_kv:
         raise UnsupportedModelError(

@@ -1,4 +1,11 @@
-"""A fixed-size slot memory per (layer, KV head): retained entries plus the current chunk.
+"""A fixed-size slot memory per (layer, stream, KV head): retained entries plus the current chunk.
+
+One memory holds the N streams (rows) of a batch in layer-major tensors, keys and values
+[L, N, H, slots, D], so that one attention call per layer serves every stream of a pass
+(:mod:`rmm.integration`); a stream's own memory is a view of its row (:class:`RowView`, the
+per-document [L, H, ...] shapes a policy sees). Streams share no entry: each row's slots, masks and
+positions are its own. Within a pass every row takes Q queries; a row whose chunk is shorter (a
+document's last) is padded with queries that see only their own slot and whose keys nobody sees.
 
 Layout along the slot axis: ``[0, R)`` retained entries, kept sorted by original position with empty
 slots (position -1) last, then ``[R, R + Q)`` the chunk being processed. Its size never depends on the
@@ -39,7 +46,7 @@ always hold detached tensors, so no graph outlives the chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 import torch
@@ -47,7 +54,8 @@ import torch
 from rmm.recording import RecordingPlan
 from rmm.rotary import Rotary, Table
 
-# a layer's own window: (query_pos [Q], key_pos [..., S]) -> bool [..., Q, S], hashable (one per layer type)
+# a layer's own window: (query_pos [..., Q], key_pos [..., S]) -> bool [..., Q, S], hashable (one per
+# layer type)
 LayerWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -65,8 +73,16 @@ class KeyStorage(Enum):
         return cls.ROTATED_AND_RAW if plan.raw_keys else cls.ROTATED
 
 
+def causal(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """bool [..., Q, S]: the valid keys ``key_pos`` [..., S] at or before each query ``query_pos``
+    [..., Q]."""
+    keys = key_pos[..., None, :]
+    return (keys >= 0) & (keys <= query_pos[..., :, None])
+
+
 class SlotMemory:
-    """Bounded KV memory for one stream; the attention function reads and writes it layer by layer.
+    """Bounded KV memory for N streams side by side; the attention function reads and writes it layer by
+    layer, for all rows at once.
 
     Parameters
     ----------
@@ -75,6 +91,7 @@ class SlotMemory:
     retained : R, slots for entries kept across boundaries (B for position rules, B - C + 1 otherwise, or
         the largest per-head capacity under a non-uniform budget allocation).
     chunk : C, slots for the chunk.
+    rows : N, streams held side by side.
     """
 
     def __init__(
@@ -86,41 +103,47 @@ class SlotMemory:
         rotary: Rotary,
         dtype: torch.dtype,
         device: torch.device,
+        rows: int = 1,
     ):
         n_layers, n_heads, head_dim = shape
         slots = retained + chunk
-        self.plan, self.retained, self.chunk = plan, retained, chunk
-        self.rotary = rotary
+        self.plan, self.retained, self.chunk, self.rows = plan, retained, chunk, rows
+        self.rotary, self.device = rotary, device
         self.storage = storage = KeyStorage.of(plan)
-        self.record_attention = record_attention = plan.record_attention
+        self.record_attention = plan.record_attention
         self.track_gradient = plan.track_gradient
-        if self.track_gradient and not record_attention:
+        if self.track_gradient and not self.record_attention:
             raise ValueError("gradient tracking needs attention probabilities: record_attention must be set")
-        self.keys = torch.zeros(n_layers, n_heads, slots, head_dim, dtype=dtype, device=device)
+        self.keys = torch.zeros(n_layers, rows, n_heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         # ROTATED_AND_RAW: a second, unrotated copy, filled as keys arrive
         self.raw_keys = torch.zeros_like(self.keys) if storage is KeyStorage.ROTATED_AND_RAW else None
-        self.key_pos = torch.full((n_layers, n_heads, slots), -1, dtype=torch.long, device=device)
-        self.state = {name: torch.zeros(n_layers, n_heads, slots, device=device) for name in plan.state_names}
-        self.attn = torch.zeros(n_layers, n_heads, chunk, slots, device=device) if record_attention else None
-        # gradient tracking: u_s(j) of the last chunk [L, H, C, R + C], and what each layer's attention
-        # used during the chunk's forward pass: (layer, probs [H, G, Q, S], values [H, S, D], output)
-        self.utility = torch.zeros_like(self.attn) if self.track_gradient else None
+        self.key_pos = torch.full((n_layers, rows, n_heads, slots), -1, dtype=torch.long, device=device)
+        self.state = {name: torch.zeros(self.key_pos.shape, device=device) for name in plan.state_names}
+        self.attn: torch.Tensor | None = None
+        self.utility: torch.Tensor | None = None
+        if self.record_attention:
+            self.record_all_attention()
+        # per row: attended entries, evicted entries' summed age and their count, accumulated on the device
+        # (read once per stream, at its end)
+        self.totals = torch.zeros(rows, 3, dtype=torch.float64, device=device)
+        # gradient tracking: what each layer's attention used during the chunk's forward pass:
+        # (layer, probs [N, H, G, Q, S], values [N, H, S, D], output [N, H, G, Q, D])
         self._outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.record_queries = plan.record_queries
-        self.queries: torch.Tensor | None = None  # [L, H, G, C, D] unrotated, allocated at the first store
+        self.queries: torch.Tensor | None = None  # [L, N, H, G, C, D] unrotated, allocated at the first store
         self._query_table: Table | None = None
         self.n_sink_slots = plan.n_sink_slots
-        self._rank_table = (
-            rotary.table(torch.arange(retained, device=device)) if storage is KeyStorage.UNROTATED else None
-        )
         self._unrotate_table: Table | None = None
-        # cache positions, heads holding different numbers of entries: per-head rank tables [L, H, R, .]
-        self._layer_ranks: Table | None = None
+        self._rank_offset: torch.Tensor | None = (
+            None  # cache positions: rank of each retained slot [L, N, H, R]
+        )
         # filled by begin_chunk
-        self.query_pos = torch.empty(0, dtype=torch.long, device=device)
+        self.lengths: list[int] = [0] * rows  # real queries of each row in the pass
+        self.query_pos = torch.empty(rows, 0, dtype=torch.long, device=device)  # [N, Q]
         self.model_pos = self.query_pos
-        self._allowed = torch.empty(0, dtype=torch.bool, device=device)
+        self._pad: torch.Tensor | None = None  # [N, Q] padded queries, None when every row is full
+        self._allowed = torch.empty(0, dtype=torch.bool, device=device)  # [L or 1, N, H or 1, Q, S]
         self._blocked: torch.Tensor | None = None  # ~allowed, for the eager path only
         self._sink_table: Table | None = None
         self._other_bias: torch.Tensor | None = None  # sink slots and blocked -inf, else 0 (model dtype)
@@ -129,88 +152,189 @@ class SlotMemory:
         self._visible: dict[int, LayerWindow | None] = {}
         self._layer_masks: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
         self._shared_masks: dict[
-            LayerWindow, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+            tuple[LayerWindow, bool], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
         ] = {}
+        self._folded: dict[bool, torch.Tensor] = {}  # fused path: the shared masks with the group in rows
         # position rules: the first layer the rule applies to (the others it applies to hold the same set)
         self._ruled = next((layer for layer, exempt in enumerate(plan.exempt) if not exempt), 0)
         self.calls = [0] * n_layers  # attention calls per layer since the memory was made
         self.passes = 0  # forward passes (chunks) begun
-        # called by the attention function with (layer, query [H, G, Q, D], key [H, Q, D]) as the model
-        # produced them (the self-check reads the model's own rotation this way)
+        # called by the attention function with (layer, query [N, H, G, Q, D], key [N, H, Q, D]) as the
+        # model produced them (the self-check reads the model's own rotation this way)
         self.capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
-    # ---- chunk setup (engine) -------------------------------------------------------------------
-    def begin_chunk(self, query_pos: torch.Tensor) -> torch.Tensor:
-        """Prepare slots and masks for queries at original positions ``query_pos`` [Q].
+    # ---- rows (engine) ----------------------------------------------------------------------------
+    def record_all_attention(self) -> None:
+        """Compute and keep attention probabilities from now on (an observer of a stream needs them)."""
+        self.record_attention = True
+        if self.attn is None:
+            shape = (*self.key_pos.shape[:3], self.chunk, self.key_pos.shape[-1])
+            self.attn = torch.zeros(shape, device=self.device)
+            self.utility = torch.zeros_like(self.attn) if self.track_gradient else None
 
-        Returns the position ids [Q] to feed the model.
+    def reset_row(self, row: int) -> None:
+        """Empty row ``row`` for a new stream."""
+        self.key_pos[:, row] = -1
+        for tensor in self.state.values():
+            tensor[:, row] = 0
+        self.totals[row] = 0
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (in that order), e.g. when streams finish and none replaces them."""
+        index = torch.tensor(list(rows), device=self.device)
+        self._map_rows(lambda tensor, dim: tensor.index_select(dim, index))
+
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` empty rows."""
+
+        def extend(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(tensor.shape)
+            shape[dim] = count
+            return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+        self._map_rows(extend)
+        for row in range(self.rows - count, self.rows):
+            self.reset_row(row)
+
+    def _map_rows(self, change: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+        """Apply ``change(tensor, row dim)`` to every per-row buffer."""
+
+        def apply(tensor: torch.Tensor | None, dim: int = 1) -> torch.Tensor | None:
+            return None if tensor is None else change(tensor, dim)
+
+        self.keys, self.values, self.raw_keys = apply(self.keys), apply(self.values), apply(self.raw_keys)
+        self.key_pos, self.attn, self.utility = apply(self.key_pos), apply(self.attn), apply(self.utility)
+        self.queries = apply(self.queries)
+        self.state = {name: apply(tensor) for name, tensor in self.state.items()}
+        self.totals = apply(self.totals, 0)
+        self.rows = self.keys.shape[1]
+        self.lengths = [0] * self.rows
+
+    def grow(self, retained: int, chunk: int) -> None:
+        """Hold at least ``retained`` slots across boundaries and ``chunk`` for a pass (a longer stream
+        than the memory was made for: an unbounded run, or a stream shorter than a chunk before it)."""
+        retained, chunk = max(retained, self.retained), max(chunk, self.chunk)
+        if (retained, chunk) == (self.retained, self.chunk):
+            return
+        slots = retained + chunk
+
+        def wider(tensor: torch.Tensor | None, fill: float = 0) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            out = tensor.new_full((*tensor.shape[:3], slots, *tensor.shape[4:]), fill)
+            out[:, :, :, : self.retained] = tensor[:, :, :, : self.retained]
+            return out
+
+        self.keys, self.values, self.raw_keys = (wider(t) for t in (self.keys, self.values, self.raw_keys))
+        self.key_pos = wider(self.key_pos, -1)
+        self.state = {name: wider(tensor) for name, tensor in self.state.items()}
+        self.retained, self.chunk = retained, chunk
+        self.queries = None  # allocated again at the next store
+        if self.attn is not None:
+            self.attn = None
+            self.record_all_attention()
+
+    def row(self, row: int) -> RowView:
+        """Stream ``row``'s view of the last chunk (what its policy and hooks see)."""
+        return RowView(self, row)
+
+    # ---- chunk setup (engine) -------------------------------------------------------------------
+    def begin_chunk(self, starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        """Prepare slots and masks for a pass: row i's queries are at original positions
+        ``starts[i] .. starts[i] + lengths[i] - 1``, padded to Q = max(lengths) queries.
+
+        Returns the position ids [N, Q] to feed the model, rising by one along every row (padded queries
+        continue their row's positions, so the model sees no packed sequences).
         """
-        n_q, end = query_pos.numel(), self.retained + query_pos.numel()
-        self.query_pos = query_pos
+        if len(starts) != self.rows or len(lengths) != self.rows:
+            raise ValueError(f"a pass of this memory has {self.rows} rows, got {len(starts)} starts")
+        n_q = max(lengths)
+        end = self.retained + n_q
+        self.lengths = list(lengths)
         self.passes += 1
         self._layer_masks.clear()
         self._shared_masks.clear()
-        self.key_pos[:, :, self.retained :] = -1
-        self.key_pos[:, :, self.retained : end] = query_pos
+        self._folded.clear()
+        step = torch.arange(n_q, device=self.device)
+        start = torch.tensor(list(starts), device=self.device)[:, None]
+        if min(lengths) < n_q:
+            self._pad = step >= torch.tensor(list(lengths), device=self.device)[:, None]  # [N, Q]
+        else:
+            self._pad = None
+        self.query_pos = query_pos = start + step  # [N, Q]: padded queries continue the positions
+        chunk_pos = query_pos if self._pad is None else query_pos.masked_fill(self._pad, -1)
+        self.key_pos[..., self.retained :] = -1
+        self.key_pos[..., self.retained : end] = chunk_pos[:, None, :]
         for tensor in self.state.values():
-            tensor[:, :, self.retained :] = 0
-        key_pos = self.key_pos[:, :, :end]
+            tensor[..., self.retained :] = 0
+        key_pos = self.key_pos[..., :end]
+        rows = query_pos[:, None, :]  # [N, 1, Q], against key positions [..., N, H, S]
         if self.plan.rule is not None:
             # position rules give every layer and head they apply to the same set
-            shared = key_pos[self._ruled : self._ruled + 1, :1]
-            allowed = (shared[..., None, :] >= 0) & (shared[..., None, :] <= query_pos[:, None])
-            self._allowed = allowed & self.plan.rule(query_pos, shared)
+            shared = key_pos[self._ruled : self._ruled + 1, :, :1]  # [1, N, 1, S]
+            allowed = causal(shared, rows) & self.plan.rule(rows, shared)
         else:
-            self._allowed = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= query_pos[:, None])
+            allowed = causal(key_pos, rows)
+        self._allowed = self._padded(allowed)
         self._blocked = ~self._allowed if self.record_attention or self.n_sink_slots else None
         self._sink_table, self._other_bias = None, None
-        if self.n_sink_slots:
+        if (
+            self.n_sink_slots
+            and max(s + n - 1 for s, n in zip(starts, lengths, strict=True)) > self.plan.sink_rank
+        ):
             delta = query_pos.clamp(max=self.plan.sink_rank) - query_pos  # rank min(t, B) minus t
-            if bool((delta != 0).any()):
-                self._sink_table = self.rotary.table(delta)
-                self._other_bias = self._other_slots_bias(self._allowed)
+            self._sink_table = self.rotary.table(delta[:, None, None, :])  # for queries [N, H, G, Q, D]
+            self._other_bias = self._other_slots_bias(self._allowed)
         self.model_pos = query_pos
-        self._unrotate_table, self._layer_ranks = None, None
+        self._unrotate_table, self._rank_offset = None, None
         if self.storage is KeyStorage.ROTATED_AND_RAW:
-            self._unrotate_table = self.rotary.table(-query_pos)
+            self._unrotate_table = self.rotary.table(-query_pos[:, None, :])  # for keys [N, H, Q, D]
         elif self.storage is KeyStorage.UNROTATED:
-            counts = (self.key_pos[:, :, : self.retained] >= 0).sum(dim=-1)  # [L, H]
-            n_kept = int(counts.max())
-            self.model_pos = n_kept + torch.arange(n_q, device=query_pos.device)
-            self._unrotate_table = self.rotary.table(-self.model_pos)
-            if bool((counts != n_kept).any()):  # a head holding fewer entries: ranks end at n_kept - 1
-                offset = (n_kept - counts)[..., None] + torch.arange(self.retained, device=counts.device)
-                self._layer_ranks = self.rotary.table(offset)  # [L, H, R, rot_dim / 2] per rotation
+            counts = (self.key_pos[..., : self.retained] >= 0).sum(dim=-1)  # [L, N, H]
+            n_kept = counts.amax(dim=(0, 2))  # [N]
+            self.model_pos = n_kept[:, None] + step
+            self._unrotate_table = self.rotary.table(-self.model_pos[:, None, :])
+            # a head holding fewer entries than its row's fullest: its ranks end at n_kept - 1
+            lag = n_kept[None, :, None] - counts  # [L, N, H]
+            self._rank_offset = lag[..., None] + torch.arange(self.retained, device=self.device)
         if self.record_queries:
-            self._query_table = self.rotary.table(-self.model_pos)
+            self._query_table = self.rotary.table(-self.model_pos[:, None, None, :])
         return self.model_pos
 
-    # ---- attention function (per layer) ----------------------------------------------------------
+    def _padded(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed`` [..., N, H or 1, Q, S] with every padded query seeing its own slot only (so that
+        its softmax is defined; no real query sees a padded key, whose position is -1)."""
+        if self._pad is None:
+            return allowed
+        n_q, n_slots = allowed.shape[-2:]
+        slot = torch.arange(n_slots, device=self.device)
+        own = slot == self.retained + torch.arange(n_q, device=self.device)[:, None]  # [Q, S]
+        return torch.where(self._pad[:, None, :, None], own, allowed)
+
+    # ---- attention function (per layer, all rows) ------------------------------------------------
     def attend_keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
-        """Store the chunk's key/value [H, Q, D]; return the keys and values to attend [H, R + Q, D]."""
-        end = self.retained + key.shape[1]
+        """Store the chunk's key/value [N, H, Q, D]; return the keys and values to attend [N, H, R + Q, D]."""
+        end = self.retained + key.shape[2]
         graph_key, graph_value = key, value
         key, value = key.detach(), value.detach()  # slots never hold a graph
-        self.values[layer, :, self.retained : end] = value
+        self.values[layer, :, :, self.retained : end] = value
         if self.storage is KeyStorage.UNROTATED:
-            self.keys[layer, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table, layer)
-            ranks = self._rank_table
-            if self._layer_ranks is not None:
-                ranks = {key: (cos[layer], sin[layer]) for key, (cos, sin) in self._layer_ranks.items()}
-            kept = self.rotary.apply(self.keys[layer, :, : self.retained], ranks, layer)
+            self.keys[layer, :, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table, layer)
+            ranks = self.rotary.table(self._rank_offset[layer])  # [N, H, R] -> cos, sin [N, H, R, rot / 2]
+            kept = self.rotary.apply(self.keys[layer, :, :, : self.retained], ranks, layer)
         else:
-            self.keys[layer, :, self.retained : end] = key
+            self.keys[layer, :, :, self.retained : end] = key
             if self.storage is KeyStorage.ROTATED_AND_RAW:
-                self.raw_keys[layer, :, self.retained : end] = self.rotary.apply(
+                self.raw_keys[layer, :, :, self.retained : end] = self.rotary.apply(
                     key, self._unrotate_table, layer
                 )
-            kept = self.keys[layer, :, : self.retained]
+            kept = self.keys[layer, :, :, : self.retained]
         if self.track_gradient:  # the chunk's own keys and values keep the pass's graph
-            chunk_values = torch.cat([self.values[layer, :, : self.retained], graph_value], dim=1)
-            return torch.cat([kept, graph_key], dim=1), chunk_values
+            chunk_values = torch.cat([self.values[layer, :, :, : self.retained], graph_value], dim=2)
+            return torch.cat([kept, graph_key], dim=2), chunk_values
         if self.storage is KeyStorage.UNROTATED:
-            return torch.cat([kept, key], dim=1), self.values[layer, :, :end]
-        return self.keys[layer, :, :end], self.values[layer, :, :end]
+            return torch.cat([kept, key], dim=2), self.values[layer, :, :, :end]
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
     def enter_layer(self, layer: int, visible: LayerWindow | None) -> None:
         """Called by the attention function once per layer and pass: counts the call and applies the
@@ -225,12 +349,13 @@ class SlotMemory:
         if shared and (visible, exempt) in self._shared_masks:
             self._layer_masks[layer] = self._shared_masks[visible, exempt]
             return
-        base = self._allowed[0 if shared else layer]  # [H or 1, Q, S]
+        base = self._allowed[0 if shared else layer]  # [N, H or 1, Q, S]
         row = layer if exempt or not shared else self._ruled  # the key positions ``base`` was built from
-        key_pos = self.key_pos[row, : base.shape[0], : base.shape[-1]]
+        key_pos = self.key_pos[row, :, : base.shape[1], : base.shape[-1]]  # [N, H or 1, S]
+        rows = self.query_pos[:, None, :]
         if exempt:  # no position rule: the layer's own window decides
-            base = (key_pos[..., None, :] >= 0) & (key_pos[..., None, :] <= self.query_pos[:, None])
-        allowed = base & visible(self.query_pos, key_pos.clamp_min(0))
+            base = causal(key_pos, rows)
+        allowed = self._padded(base & visible(rows, key_pos.clamp_min(0)))
         blocked = ~allowed if self._blocked is not None else None
         bias = self._other_slots_bias(allowed) if self._other_bias is not None else None
         self._layer_masks[layer] = (allowed, blocked, bias)
@@ -245,46 +370,58 @@ class SlotMemory:
         bias = torch.zeros(other.shape, dtype=self.keys.dtype, device=other.device)
         return bias.masked_fill_(~other, float("-inf"))
 
-    def allowed_mask(self, layer: int) -> torch.Tensor:
-        """bool [H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
+    def _layer_mask(self, layer: int, which: int, full: torch.Tensor | None) -> torch.Tensor | None:
         if layer in self._layer_masks:
-            return self._layer_masks[layer][0]
-        return self._allowed[0] if self._allowed.shape[0] == 1 else self._allowed[layer]
+            return self._layer_masks[layer][which]
+        if full is None:
+            return None
+        return full[0] if full.shape[0] == 1 else full[layer]
+
+    def allowed_mask(self, layer: int) -> torch.Tensor:
+        """bool [N, H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
+        return self._layer_mask(layer, 0, self._allowed)
 
     def blocked_mask(self, layer: int) -> torch.Tensor | None:
         """The complement of :meth:`allowed_mask` (computed once per chunk where the eager path or the
         sinks need it; None otherwise)."""
-        if layer in self._layer_masks:
-            return self._layer_masks[layer][1]
-        if self._blocked is None:
-            return None
-        return self._blocked[0] if self._blocked.shape[0] == 1 else self._blocked[layer]
+        return self._layer_mask(layer, 1, self._blocked)
 
     def other_slots_bias(self, layer: int) -> torch.Tensor:
-        """Additive mask [H or 1, Q, R + Q] in the model's dtype: 0 where a query may attend a non-sink
+        """Additive mask [N, H or 1, Q, R + Q] in the model's dtype: 0 where a query may attend a non-sink
         slot, -inf on the sink slots and wherever :meth:`allowed_mask` blocks (set with the sink table)."""
         assert self._other_bias is not None
-        if layer in self._layer_masks:
-            return self._layer_masks[layer][2]
-        return self._other_bias[0] if self._other_bias.shape[0] == 1 else self._other_bias[layer]
+        return self._layer_mask(layer, 2, self._other_bias)
+
+    def folded_mask(self, layer: int, group: int, bias: bool = False) -> torch.Tensor:
+        """The layer's mask with the query group folded into the rows, for one fused call over queries
+        [N, H, G * Q, D]: bool [N, H or 1, G * Q, S] (``bias``: :meth:`other_slots_bias` instead). Built
+        once per pass for every layer that shares it."""
+        mask = self.other_slots_bias(layer) if bias else self.allowed_mask(layer)
+        if group == 1:
+            return mask
+        if layer in self._layer_masks or self._allowed.shape[0] != 1:  # the layer's own: folded for it
+            return _fold(mask, group)
+        if bias not in self._folded:  # one mask for every layer: folded once per pass
+            self._folded[bias] = _fold(mask, group)
+        return self._folded[bias]
 
     def sink_query(self, layer: int, query: torch.Tensor) -> torch.Tensor | None:
-        """Queries [H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed (and
-        in a layer the policy leaves alone, which holds no sinks)."""
+        """Queries [N, H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed
+        (and in a layer the policy leaves alone, which holds no sinks)."""
         if self._sink_table is None or (self.plan.exempt and self.plan.exempt[layer]):
             return None
         return self.rotary.apply(query, self._sink_table, layer)
 
     def store_attention(self, layer: int, probs: torch.Tensor) -> None:
-        """Attention probabilities [H, Q, R + Q] of the chunk's queries, GQA group summed."""
-        self.attn[layer, :, : probs.shape[1], : probs.shape[2]] = probs.detach()
+        """Attention probabilities [N, H, Q, R + Q] of the chunk's queries, GQA group summed."""
+        self.attn[layer, :, :, : probs.shape[2], : probs.shape[3]] = probs.detach()
 
     def track_output(
         self, layer: int, probs: torch.Tensor, values: torch.Tensor, output: torch.Tensor
     ) -> torch.Tensor:
-        """Gradient tracking: remember a layer's attention probabilities [H, G, Q, S] (float32), the values
-        [H, S, D] and its output o [H, G, Q, D] = probs . values, so that :func:`record_gradients` can
-        differentiate the chunk's loss with respect to o.
+        """Gradient tracking: remember a layer's attention probabilities [N, H, G, Q, S] (float32), the
+        values [N, H, S, D] and its output o [N, H, G, Q, D] = probs . values, so that
+        :func:`record_gradients` can differentiate the chunk's loss with respect to o.
 
         Returns o, plus a zero leaf that requires grad when nothing before it does (the first layer of a
         model whose weights need no grad), so that the loss has a graph back to every layer's output.
@@ -307,122 +444,145 @@ class SlotMemory:
         heads, into :attr:`utility`, from the pass's ``outputs`` and their gradients ``grads``."""
         for (layer, probs, values, output), grad in zip(outputs, grads, strict=True):
             grad, output = grad.float(), output.detach().float()
-            reach = (grad * output).sum(dim=-1, keepdim=True)  # <g_s, o_s>: [H, G, Q, 1]
-            per_value = torch.matmul(grad, values.float()[:, None].transpose(-1, -2))  # <g_s, v_j>
-            utility = (probs * (reach - per_value)).sum(dim=1)  # [H, Q, S]
-            self.utility[layer, :, : utility.shape[1], : utility.shape[2]] = utility
+            reach = (grad * output).sum(dim=-1, keepdim=True)  # <g_s, o_s>: [N, H, G, Q, 1]
+            per_value = torch.matmul(grad, values.float()[:, :, None].transpose(-1, -2))  # <g_s, v_j>
+            utility = (probs * (reach - per_value)).sum(dim=2)  # [N, H, Q, S]
+            self.utility[layer, :, :, : utility.shape[2], : utility.shape[3]] = utility
 
     def store_queries(self, layer: int, query: torch.Tensor) -> None:
-        """The chunk's queries [H, G, Q, D] as the model rotated them; kept unrotated."""
+        """The chunk's queries [N, H, G, Q, D] as the model rotated them; kept unrotated."""
         if self.queries is None:
-            n_heads, group, _, head_dim = query.shape
-            self.queries = query.new_zeros(self.keys.shape[0], n_heads, group, self.chunk, head_dim)
-        self.queries[layer, :, :, : query.shape[2]] = self.rotary.apply(
+            rows, n_heads, group, _, head_dim = query.shape
+            shape = (self.keys.shape[0], rows, n_heads, group, self.chunk, head_dim)
+            self.queries = query.new_zeros(shape)
+        self.queries[layer, :, :, :, : query.shape[3]] = self.rotary.apply(
             query.detach(), self._query_table, layer
         )
 
-    # ---- statistics (engine) -------------------------------------------------------------------
-    def chunk_attention(self) -> torch.Tensor:
-        """[L, H, Q, R + Q] attention of the last chunk."""
-        n_q = self.query_pos.numel()
-        return self.attn[:, :, :n_q, : self.retained + n_q]
+    # ---- statistics and boundary (engine, all rows) -----------------------------------------------
+    def chunk_key_pos(self) -> torch.Tensor:
+        """[L, N, H, R + Q] original positions of the candidate slots (-1 empty)."""
+        return self.key_pos[..., : self.retained + self.query_pos.shape[1]]
+
+    def count_attended(self) -> None:
+        """Add to each row's total the past entries (itself excluded) its real queries attended in the
+        pass, averaged over layers and heads."""
+        counts = (self._allowed.sum(dim=-1) - 1).float()  # [L or 1, N, H or 1, Q]
+        if self._layer_masks:
+            counts = counts.expand(self.keys.shape[0], -1, -1, -1).clone()
+            for layer, (allowed, *_) in self._layer_masks.items():
+                counts[layer] = (allowed.sum(dim=-1) - 1).float().expand_as(counts[layer])
+        per_query = counts.mean(dim=(0, 2))  # [N, Q]
+        if self._pad is not None:
+            per_query = per_query.masked_fill(self._pad, 0)
+        self.totals[:, 0] += per_query.sum(dim=-1)
+
+    def alive(self, now: torch.Tensor) -> torch.Tensor:
+        """bool [L, N, H, R + Q]: candidate slots holding an entry that some query from ``now`` [N] on may
+        still attend under its layer's own window (a window or attention chunk hides a key from every
+        later query once it hides it from ``now``)."""
+        key_pos = self.chunk_key_pos()
+        valid = key_pos >= 0
+        at = now[:, None, None]  # [N, 1, Q = 1]
+        for layer, visible in self._visible.items():
+            if visible is not None:
+                valid[layer] &= visible(at, key_pos[layer].clamp_min(0))[..., 0, :]
+        return valid
+
+    def compact(self, keep: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+        """Keep the candidate slots ``keep`` [L, N, H, R + Q] marks (at most R per layer, row and head),
+        moved to the front of the retained region sorted by position; the others are evicted, their ages
+        at ``now`` [N] added to the rows' totals.
+
+        Returns the evicted positions [L, N, H, R + Q] (-1 where nothing was evicted).
+        """
+        key_pos = self.chunk_key_pos()
+        valid = key_pos >= 0
+        keep = keep & valid
+        gone = valid & ~keep
+        evicted = torch.where(gone, key_pos, -1)
+        ages = torch.where(gone, now[None, :, None, None] - key_pos, 0)
+        self.totals[:, 1] += ages.sum(dim=(0, 2, 3))
+        self.totals[:, 2] += gone.sum(dim=(0, 2, 3))
+        order_key = torch.where(keep, key_pos, torch.iinfo(torch.long).max)
+        index = torch.argsort(order_key, dim=-1, stable=True)[..., : self.retained]  # [L, N, H, R]
+        kept = torch.gather(keep, -1, index)
+        new_pos = torch.where(kept, torch.gather(key_pos, -1, index), -1)
+        gather5 = index[..., None].expand(*index.shape, self.keys.shape[-1])
+        n = key_pos.shape[-1]
+        self.keys[..., : self.retained, :] = torch.gather(self.keys[..., :n, :], 3, gather5)
+        self.values[..., : self.retained, :] = torch.gather(self.values[..., :n, :], 3, gather5)
+        if self.raw_keys is not None:
+            self.raw_keys[..., : self.retained, :] = torch.gather(self.raw_keys[..., :n, :], 3, gather5)
+        for tensor in self.state.values():
+            tensor[..., : self.retained] = torch.gather(tensor[..., :n], -1, index)
+        self.key_pos[..., : self.retained] = new_pos
+        return evicted
+
+
+def _fold(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """A mask [N, H or 1, Q, S] repeated for each of a group's G query heads: [N, H or 1, G * Q, S]."""
+    n, heads, n_q, n_slots = mask.shape
+    return mask[:, :, None].expand(n, heads, group, n_q, n_slots).reshape(n, heads, group * n_q, n_slots)
+
+
+class RowView:
+    """One stream's view of a batched :class:`SlotMemory` after a pass: the [L, H, ...] shapes of one
+    document, over its candidate slots (retained, then its own R + Q' with Q' its real queries)."""
+
+    def __init__(self, memory: SlotMemory, row: int):
+        self.memory, self.row = memory, row
+        self.n_q = memory.lengths[row]
+        self.n = memory.retained + self.n_q
+
+    @property
+    def query_pos(self) -> torch.Tensor:
+        """[Q'] original positions of the chunk's queries."""
+        return self.memory.query_pos[self.row, : self.n_q]
 
     def chunk_key_pos(self) -> torch.Tensor:
-        """[L, H, R + Q] original positions of the candidate slots (-1 empty)."""
-        return self.key_pos[:, :, : self.retained + self.query_pos.numel()]
+        """[L, H, R + Q'] original positions of the candidate slots (-1 empty)."""
+        return self.memory.key_pos[:, self.row, :, : self.n]
 
     def retained_positions(self) -> torch.Tensor:
         """[L, H, R] positions held across the last boundary (-1 empty)."""
-        return self.key_pos[:, :, : self.retained]
+        return self.memory.key_pos[:, self.row, :, : self.memory.retained]
+
+    def chunk_attention(self) -> torch.Tensor:
+        """[L, H, Q', R + Q'] attention of the last chunk."""
+        return self.memory.attn[:, self.row, :, : self.n_q, : self.n]
 
     def state_view(self) -> dict[str, torch.Tensor]:
-        """The policy's per-slot statistics over the candidate slots, [L, H, R + Q] each (views)."""
-        n = self.retained + self.query_pos.numel()
-        return {name: tensor[:, :, :n] for name, tensor in self.state.items()}
+        """The policy's per-slot statistics over the candidate slots, [L, H, R + Q'] each (views)."""
+        return {name: tensor[:, self.row, :, : self.n] for name, tensor in self.memory.state.items()}
 
     def observed(self, needs: frozenset[str]) -> dict[str, torch.Tensor]:
         """The chunk's recorded fields of an observation, exactly those ``needs`` names from
         ``attention``, ``keys``, ``values``, ``queries`` and ``gradient`` (shapes:
         :class:`~rmm.policies.Observation`)."""
-        n, n_q = self.retained + self.query_pos.numel(), self.query_pos.numel()
+        memory, row, n, n_q = self.memory, self.row, self.n, self.n_q
         fields: dict[str, torch.Tensor] = {}
         if "attention" in needs:
             fields["attention"] = self.chunk_attention()
         if "keys" in needs:
-            keys = self.keys[:, :, :n]
-            fields["keys"] = keys if self.raw_keys is None else self.raw_keys[:, :, :n]
+            keys = memory.keys if memory.raw_keys is None else memory.raw_keys
+            fields["keys"] = keys[:, row, :, :n]
         if "values" in needs:
-            fields["values"] = self.values[:, :, :n]
+            fields["values"] = memory.values[:, row, :, :n]
         if "queries" in needs:
-            fields["queries"] = self.queries[:, :, :, :n_q]
+            fields["queries"] = memory.queries[:, row, :, :, :n_q]
         if "gradient" in needs:
-            fields["gradient"] = self.utility[:, :, :n_q, :n]
+            fields["gradient"] = memory.utility[:, row, :, :n_q, :n]
         return fields
 
-    def attended_total(self) -> float:
-        """Past entries (itself excluded) attended by the chunk's queries, averaged over layers and
-        heads, summed over queries."""
-        if not self._layer_masks:
-            return float((self._allowed.sum(dim=-1) - 1).float().mean(dim=(0, 1)).sum())
-        counts = (self._allowed.sum(dim=-1) - 1).float()  # [L or 1, H or 1, Q]
-        counts = counts.expand(self.keys.shape[0], -1, -1).clone()
-        for layer, (allowed, *_) in self._layer_masks.items():
-            counts[layer] = (allowed.sum(dim=-1) - 1).float()
-        return float(counts.mean(dim=(0, 1)).sum())
 
-    def alive(self, now: int) -> torch.Tensor:
-        """bool [L, H, R + Q]: candidate slots holding an entry that some query from ``now`` on may still
-        attend under its layer's own window (a window or attention chunk hides a key from every later
-        query once it hides it from ``now``)."""
-        key_pos = self.chunk_key_pos()
-        valid = key_pos >= 0
-        now_pos = torch.tensor([now], device=key_pos.device)
-        for layer, visible in self._visible.items():
-            if visible is not None:
-                valid[layer] &= visible(now_pos, key_pos[layer].clamp_min(0))[..., 0, :]
-        return valid
-
-    # ---- boundary (engine) ---------------------------------------------------------------------
-    def compact(self, keep: torch.Tensor) -> torch.Tensor:
-        """Keep the candidate slots ``keep`` [L, H, R + Q] marks (at most R per layer and head), moved
-        to the front of the retained region sorted by position; the others are evicted.
-
-        Returns the evicted positions [L, H, R + Q] (-1 where nothing was evicted).
-        """
-        key_pos = self.chunk_key_pos()
-        valid = key_pos >= 0
-        keep = keep & valid
-        evicted = torch.where(valid & ~keep, key_pos, torch.full_like(key_pos, -1))
-        order_key = torch.where(keep, key_pos, torch.full_like(key_pos, torch.iinfo(torch.long).max))
-        index = torch.argsort(order_key, dim=-1, stable=True)[..., : self.retained]  # [L, H, R]
-        kept = torch.gather(keep, -1, index)
-        new_pos = torch.where(kept, torch.gather(key_pos, -1, index), torch.full_like(index, -1))
-        gather4 = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        n = key_pos.shape[-1]
-        self.keys[:, :, : self.retained] = torch.gather(self.keys[:, :, :n], 2, gather4)
-        self.values[:, :, : self.retained] = torch.gather(self.values[:, :, :n], 2, gather4)
-        if self.raw_keys is not None:
-            self.raw_keys[:, :, : self.retained] = torch.gather(self.raw_keys[:, :, :n], 2, gather4)
-        for tensor in self.state.values():
-            tensor[:, :, : self.retained] = torch.gather(tensor[:, :, :n], -1, index)
-        self.key_pos[:, :, : self.retained] = new_pos
-        return evicted
-
-
-def record_gradients(memories: list[SlotMemory], losses: list[torch.Tensor | None]) -> None:
-    """One backward pass of the summed NLL of a pass's streams: ``losses[i]`` is the summed NLL of stream
-    i's chunk (None when none of its queries has a target). Streams share no entry, so the gradient of the
-    sum at stream i's attention outputs is the gradient of its own loss. Fills each memory's
-    :attr:`~SlotMemory.utility` (zero for a stream without a loss) and releases the pass's graph."""
-    outputs = [memory.take_outputs() for memory in memories]
-    scored = [loss for loss in losses if loss is not None]
-    if not scored:
+def record_gradients(memory: SlotMemory, loss: torch.Tensor | None) -> None:
+    """One backward pass of ``loss``, the summed NLL of a pass's scored queries over all rows (None when
+    no query has a target). Rows share no entry, so the gradient of the sum at row i's attention outputs
+    is the gradient of its own loss. Fills the memory's :attr:`~SlotMemory.utility` and releases the
+    pass's graph."""
+    outputs = memory.take_outputs()
+    if loss is None:
         return
-    tracked = [
-        (memory, out) for memory, out, loss in zip(memories, outputs, losses, strict=True) if loss is not None
-    ]
-    flat = [output for _, out in tracked for *_, output in out]
-    grads = list(torch.autograd.grad(torch.stack(scored).sum(), flat))
-    for memory, out in tracked:
-        memory.store_utility(out, grads[: len(out)])
-        del grads[: len(out)]
+    grads = torch.autograd.grad(loss, [output for *_, output in outputs])
+    memory.store_utility(outputs, list(grads))

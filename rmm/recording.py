@@ -22,7 +22,7 @@ POSITIONS = ("original", "cache")  # as rmm.config.POSITIONS, which checks confi
 # chunk C and the budget B do not limit them).
 POSITION_RULE_CHUNK = 1024
 
-# a position rule: allowed(query_pos [Q], key_pos [..., S]) -> bool [..., Q, S]
+# a position rule: allowed(query_pos [..., Q], key_pos [..., S]) -> bool [..., Q, S] (broadcast)
 AllowedFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -29,6 +29,7 @@ In particular it has
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -482,7 +483,9 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
     logit per head in the softmax's denominator) a model whose eager function returns weights that
     leave the sink out (summing to 1, the output scaled afterwards) has them scaled by the sink's share.
     """
-    eager = type(module).__init__.__globals__["eager_attention_forward"]  # from the model's own module
+    # the model's own module's eager function (read from the module: a decorated __init__, as the
+    # ``kernels`` package makes, has other globals)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
     layer = module.layer_idx
     if isinstance(attention_mask, _ModelMask):
         _MASKS[layer] = attention_mask.mask_function

@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 from rmm import integration
 from rmm.memory import SlotMemory
 from rmm.models import UnsupportedModelError
+from rmm.policies.base import every_key
 from rmm.recording import RecordingPlan
 from rmm.rotary import Rotary
 
@@ -64,12 +65,12 @@ class Checkable(Protocol):
     dtype: torch.dtype
     device: torch.device
 
-    def new_memory(self, n_tokens: int, plan: RecordingPlan) -> SlotMemory: ...
+    def new_memory(self, n_tokens: int, plan: RecordingPlan, rows: int = 1) -> SlotMemory: ...
 
     batch: int
 
     def forward(
-        self, memories: list[SlotMemory], tokens: torch.Tensor, position_ids: torch.Tensor
+        self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor: ...
 
 
@@ -158,14 +159,10 @@ def moves_positions(plan: RecordingPlan) -> bool:
 
 def _unlimited(plan: RecordingPlan, chunk: int, **changes) -> RecordingPlan:
     """``plan`` with every entry kept: no bound on R, no position rule, no sinks, no gradient."""
-    rule = None if plan.rule is None else _everything
+    rule = None if plan.rule is None else every_key
     return replace(
         plan, rule=rule, retained=None, n_sink_slots=0, track_gradient=False, decision_chunk=chunk, **changes
     )
-
-
-def _everything(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-    return (key_pos[..., None, :] >= -1).expand(*key_pos.shape[:-1], query_pos.numel(), key_pos.shape[-1])
 
 
 def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
@@ -195,23 +192,21 @@ def _stream(engine: Checkable, rows: torch.Tensor, step: int) -> torch.Tensor:
     an unlimited budget; checks each memory's attention calls."""
     n = rows.shape[1]
     plan = _unlimited(engine.plan, step)
-    memories = [engine.new_memory(n, plan) for _ in rows]
+    memory = engine.new_memory(n, plan, rows=len(rows))
     nll = torch.empty(len(rows), n - 1, device=engine.device)
     with torch.no_grad(), integration.install(engine.model):
         for start in range(0, n, step):
             stop = min(start + step, n)
-            query_pos = torch.arange(start, stop, device=engine.device)
-            position_ids = torch.stack([memory.begin_chunk(query_pos) for memory in memories])
-            logits = engine.forward(memories, rows[:, start:stop], position_ids)
+            position_ids = memory.begin_chunk([start] * len(rows), [stop - start] * len(rows))
+            logits = engine.forward(memory, rows[:, start:stop], position_ids)
             scored = min(stop, n - 1) - start
             log_probs = torch.log_softmax(logits[:, :scored], dim=-1)
             targets = rows[:, start + 1 : start + 1 + scored, None]
             nll[:, start : start + scored] = -log_probs.gather(-1, targets)[..., 0]
             if stop < n:
-                for memory in memories:
-                    memory.compact(memory.alive(stop) if plan.rule is None else memory.chunk_key_pos() >= 0)
-    for memory in memories:
-        _check_calls(engine, memory.calls, memory.passes)
+                now = torch.full((len(rows),), stop, device=engine.device)
+                memory.compact(memory.alive(now) if plan.rule is None else memory.chunk_key_pos() >= 0, now)
+    _check_calls(engine, memory.calls, memory.passes)
     return nll
 
 
@@ -240,13 +235,13 @@ def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[s
     for shift in (0, ROTATION_SHIFT):
         keys, queries = {}, {}
         memory = engine.new_memory(n, plan)
-        memory.capture = lambda layer, q, k, keys=keys, queries=queries: (
-            keys.__setitem__(layer, k.detach().clone()),
-            queries.__setitem__(layer, q.detach().clone()),
+        memory.capture = lambda layer, q, k, keys=keys, queries=queries: (  # row 0 of [1, H, ...]
+            keys.__setitem__(layer, k[0].detach().clone()),
+            queries.__setitem__(layer, q[0].detach().clone()),
         )
         with torch.no_grad(), integration.install(engine.model):
-            position_ids = memory.begin_chunk(torch.arange(n, device=engine.device))
-            engine.forward([memory], probe[None, :n], (position_ids + shift)[None])
+            position_ids = memory.begin_chunk([0], [n])
+            engine.forward(memory, probe[None, :n], position_ids + shift)
         captured.append((keys, queries))
     (keys0, queries0), (keys1, queries1) = captured
     tolerance = ROTATION_TOLERANCE.get(engine.dtype, 1e-3)

@@ -87,7 +87,8 @@ def test_memory_does_not_grow_with_the_stream(tiny_models, name):
         policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=64))
         seen = []
 
-        def hook(memory, now, evicted):
+        def hook(view, now, evicted):
+            memory = view.memory  # the batch's memory, of which the stream's view is one row
             tensors = [memory.keys, memory.values, memory.key_pos, *memory.state.values()]
             tensors += [t for t in (memory.attn, memory.raw_keys) if t is not None]
             seen.append(sum(t.numel() * t.element_size() for t in tensors))
@@ -222,4 +223,4 @@ def test_attention_free_policies_keep_the_fused_path(tiny_models):
         StreamingEngine(model, policy).stream(
             torch.arange(10), on_boundary=lambda m, *_, seen=memories: seen.append(m)
         )
-        assert (memories[0].attn is not None) == (name == "h2o"), name
+        assert (memories[0].memory.attn is not None) == (name == "h2o"), name

@@ -96,7 +96,8 @@ def test_gradient_leaves_no_autograd_state(tiny_models, streams):
     policy = make_policy({"name": "rmm", **GRADIENT}, budget=8, chunk=4)
     live = []
 
-    def check(memory, obs, now, scores):
+    def check(view, obs, now, scores):
+        memory = view.memory  # the batch's memory, of which the stream's view is one row
         for tensor in [memory.keys, memory.values, memory.attn, memory.utility, *memory.state.values()]:
             assert not tensor.requires_grad and tensor.grad_fn is None
         assert not memory._outputs, "the chunk's graph must be released after its backward pass"

@@ -269,7 +269,7 @@ def test_half_precision_self_check_catches_a_missing_window(
     model = copy.deepcopy(windowed).to(torch.bfloat16)
     check = engine(model, "h2o", budget=24).self_check(tokens)
     assert check.worst_pass_mean_dnll <= check.tolerance and check.probe_tokens > WINDOW
-    monkeypatch.setattr(integration.Visibility, "__call__", lambda self, q, k: k[..., None, :] <= q[:, None])
+    monkeypatch.setattr(integration.Visibility, "__call__", lambda self, q, k: k[..., None, :] <= q[..., :, None])
     with pytest.raises(UnsupportedModelError, match="a pass's mean NLL"):
         engine(model, "h2o", budget=24).self_check(tokens)
 

@@ -101,40 +101,38 @@ def allocated(
     (``observed``: with an attention observer, as the reference pass)."""
     engine = StreamingEngine(model, policy, positions=positions, allocation=allocation)
     plan = engine.plan.observed() if observed else engine.plan
-    memories = [engine.new_memory(N_TOKENS, plan) for _ in range(batch)]
+    memory = engine.new_memory(N_TOKENS, plan, rows=batch)
     logits_shapes = []
-    for memory in memories:
-        if plan.record_attention:
-            store = memory.store_attention
-            memory.store_attention = lambda layer, probs, store=store: (
-                logits_shapes.append(probs.shape),
-                store(layer, probs),
-            )
+    if plan.record_attention:
+        store = memory.store_attention
+        memory.store_attention = lambda layer, probs, store=store: (
+            logits_shapes.append(probs.shape),
+            store(layer, probs),
+        )
     # a chunk past the budget: the steady state, where position rules re-rotate their sinks
-    query_pos = torch.arange(plan.slots(N_TOKENS)[1]) + (policy.budget or 0)
-    position_ids = torch.stack([memory.begin_chunk(query_pos) for memory in memories])
+    n_q = plan.slots(N_TOKENS)[1]
+    query_pos = torch.arange(n_q) + (policy.budget or 0)
+    position_ids = memory.begin_chunk([policy.budget or 0] * batch, [n_q] * batch)
     tokens = torch.stack([query_pos + i for i in range(batch)]) % model.config.vocab_size  # N streams
     live = LiveBytes()
     with integration.install(model), torch.enable_grad() if plan.track_gradient else torch.no_grad():
         with live:
-            logits = engine.forward(memories, tokens, position_ids)
+            logits = engine.forward(memory, tokens, position_ids)
             assert logits.shape == (batch, query_pos.numel(), model.config.vocab_size)
-            # scored stream by stream (rmm.engine), each log-softmax kept in the graph when it has one
-            scored = [torch.log_softmax(logits[i], dim=-1) for i in range(batch) if plan.track_gradient]
-            for i in range(batch if not plan.track_gradient else 0):
-                torch.log_softmax(logits[i], dim=-1)
+            scored = torch.log_softmax(logits, dim=-1)  # every stream at once (rmm.engine)
             del logits, scored
-            outputs = [memory.take_outputs() for memory in memories] if plan.track_gradient else []
+            outputs = memory.take_outputs() if plan.track_gradient else []
             del outputs  # the graph, as the backward pass releases it
-    kv = sum(nbytes(m.keys, m.values, m.key_pos, *m.state.values()) for m in memories)
-    persistent = sum(nbytes(m._allowed, m._blocked, m._other_bias, m.attn, m.utility) for m in memories)
+    m = memory
+    kv = nbytes(m.keys, m.values, m.key_pos, *m.state.values())
+    persistent = nbytes(m._allowed, m._blocked, m._other_bias, m.attn, m.utility, *m._folded.values())
     scratch = persistent
-    if logits_shapes:  # fp32 logits, masked logits and probabilities [n_heads, Q, S]: one layer's of one
-        kv_heads, queries, slots = logits_shapes[0]  # stream at a time, every layer's of every stream for
-        per_layer = 3 * model.config.num_attention_heads * queries * slots * 4  # a backward pass, where the
-        if plan.track_gradient:  # graph also keeps each layer's attended keys and values [H, S, D]
-            keys = memories[0].keys
-            per_layer += 2 * kv_heads * slots * keys.shape[-1] * keys.element_size()
+    if logits_shapes:  # fp32 logits, masked logits and probabilities [N, n_heads, Q, S]: one layer's of
+        rows, kv_heads, queries, slots = logits_shapes[0]  # every stream at a time, every layer's for a
+        per_layer = 3 * rows * model.config.num_attention_heads * queries * slots * 4  # backward pass, where
+        if plan.track_gradient:  # the graph also keeps each layer's attended keys and values [N, H, S, D]
+            keys = memory.keys
+            per_layer += 2 * rows * kv_heads * slots * keys.shape[-1] * keys.element_size()
         scratch += (len(logits_shapes) if plan.track_gradient else 1) * per_layer
     return Allocated(kv, scratch, persistent, live.peak)
 
@@ -184,14 +182,15 @@ def test_kv_and_scratch_match_allocations(saved, overrides, policy_cfg, budget, 
 
 
 def test_batch_multiplies_the_streams_not_the_weights(saved):
-    """batch=3: three memories and three streams' activations, one set of weights."""
+    """batch=3: three memories, three streams' activations and attention scratch (the attention runs every
+    stream at once), one set of weights."""
     path, _ = saved
     one, three = (
         planner.plan(compose(path, "policy=h2o", "budget=16", "chunk=4", f"batch={n}")) for n in (1, 3)
     )
     assert three.weights_bytes == one.weights_bytes
     assert three.kv_bytes == 3 * one.kv_bytes
-    assert one.scratch_bytes < three.scratch_bytes < 3 * one.scratch_bytes  # one stream's logits at a time
+    assert three.scratch_bytes == 3 * one.scratch_bytes
     assert 2 * one.activation_bytes < three.activation_bytes <= 3 * one.activation_bytes
 
 

@@ -183,7 +183,15 @@ class PositionRule(Policy):
 
     @abstractmethod
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        """bool [..., Q, S]: which of the keys [..., S] each query [Q] may see."""
+        """bool [..., Q, S]: which of the keys [..., S] each query [..., Q] may see (leading dims broadcast:
+        the engine passes a batch's queries [N, 1, Q] against keys [..., N, H, S]); index as
+        ``query_pos[..., :, None]``."""
+
+
+def every_key(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """The position rule that allows everything: True [..., Q, S] for queries [..., Q] and keys [..., S]."""
+    shape = torch.broadcast_shapes(query_pos[..., :, None].shape, key_pos[..., None, :].shape)
+    return torch.ones(shape, dtype=torch.bool, device=key_pos.device)
 
 
 @dataclass

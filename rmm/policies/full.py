@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rmm.policies.base import PositionRule, register
+from rmm.policies.base import PositionRule, every_key, register
 
 
 @register
@@ -17,6 +17,4 @@ class Full(PositionRule):
         super().__post_init__()
 
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        return torch.ones(
-            *key_pos.shape[:-1], query_pos.numel(), key_pos.shape[-1], dtype=torch.bool, device=key_pos.device
-        )
+        return every_key(query_pos, key_pos)

@@ -2,8 +2,8 @@
 
 A score-based policy's scores [L, H, S] go through :func:`select` (shared over heads or layers by
 ``scope``, then the ``capacity`` best valid slots kept, ties to the more recent position); a position
-rule keeps what it allows the next query to see (:func:`rule_keep`). Both return a keep mask [L, H, S]
-that the engine hands to :meth:`rmm.memory.SlotMemory.compact`.
+rule keeps what it allows the next query to see (:func:`rule_keep`, every row of a batch at once). Both
+return a keep mask (per stream [L, H, S]) that the engine hands to :meth:`rmm.memory.SlotMemory.compact`.
 
 Budget allocation (``allocation``, docs/semantics.md): :func:`capacities` gives every (layer, KV head)
 its capacity [L, H] once per stream (``uniform``: B' everywhere; ``pyramid``: c_l falling with depth);
@@ -125,8 +125,7 @@ def _layer_best(
     for key in (flat(key_pos), flat(scores), flat(eligible).to(torch.int8)):  # least significant first
         step = torch.argsort(torch.gather(key, -1, order), dim=-1, descending=True, stable=True)
         order = torch.gather(order, -1, step)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    ranks = torch.argsort(order, dim=-1)  # the inverse permutation: a slot's place in ``order``
     return flat(eligible).logical_and(ranks < room[:, None]).reshape(n_layers, n_heads, n_slots)
 
 
@@ -171,10 +170,11 @@ def retained_slots(allocation: str, capacity: int, protected: int, n_layers: int
 
 
 def rule_keep(
-    allowed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], now: int, key_pos: torch.Tensor
+    allowed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], now: torch.Tensor, key_pos: torch.Tensor
 ) -> torch.Tensor:
-    """Keep mask [L, H, S] of a position rule ``allowed``: the valid slots that query ``now`` may see."""
-    visible = allowed(torch.tensor([now], device=key_pos.device), key_pos)[..., 0, :]
+    """Keep mask [L, N, H, S] of a position rule ``allowed``: the valid slots of ``key_pos`` [L, N, H, S]
+    that each row's next query ``now`` [N] may see."""
+    visible = allowed(now[:, None, None], key_pos)[..., 0, :]  # queries [N, 1, 1] against keys [L, N, H, S]
     return (key_pos >= 0) & visible
 
 
@@ -201,9 +201,7 @@ def rank(scores: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor) -> to
         -1,
         torch.argsort(torch.gather(valid, -1, order).to(torch.int8), dim=-1, descending=True, stable=True),
     )
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return ranks
+    return torch.argsort(order, dim=-1)  # the inverse permutation: a slot's place in ``order``
 
 
 def check_allocation(allocation: str, scope: str, positions: str, policy: Policy) -> None:

@@ -29,5 +29,5 @@ class StreamingLLM(PositionRule):
         return self.sinks
 
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        recent = key_pos[..., None, :] >= query_pos[:, None] - (self.budget - self.sinks)
+        recent = key_pos[..., None, :] >= query_pos[..., :, None] - (self.budget - self.sinks)
         return recent | (key_pos[..., None, :] < self.sinks)

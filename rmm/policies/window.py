@@ -13,4 +13,4 @@ class Window(PositionRule):
     name = "window"
 
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        return key_pos[..., None, :] >= query_pos[:, None] - self.budget
+        return key_pos[..., None, :] >= query_pos[..., :, None] - self.budget
