@@ -16,8 +16,8 @@ the dispatcher and a kernel launch on a GPU). Counted per pass (formulas in docs
   activations written and read once per layer, the logits written (dtype, fp32 copy, log-softmax), and
   at every boundary the compaction's read and write of every slot;
 - launches: the ops one pass dispatches, a + b * L for its policy's family plus the decision's at a
-  boundary (:data:`OP_COUNTS`), the same for any N: one memory holds the whole batch, attends once per
-  layer and decides once per pass.
+  boundary and a few per stream beyond the first (:data:`OP_COUNTS`): one memory holds the whole batch,
+  attends once per layer and decides once per pass; only each stream's own scoring repeats.
 
 A document of n tokens streams in the engine's schedule (:func:`schedule`); N documents of equal length
 share every pass, so a run of D documents is ceil(D / N) waves. The oracle (and the estimator
@@ -26,8 +26,8 @@ window over ``context`` positions in 256-token passes (:mod:`rmm.lookahead`).
 
 The constants (F, W, o) of a named GPU are its datasheet peaks times stated utilisations and an assumed
 cost per launch (:data:`GPUS`; assumptions, not measurements); a CPU's are fitted to measured runs
-(:func:`fit`). This module needs no Hydra and no torch: ``checks/plan.py`` builds the
-:class:`StreamShape` of a configured run and calls it.
+(:func:`fit`). This module needs no Hydra and no torch: :func:`stream_shape` describes a run's documents
+from its recording plan (``checks/plan.py`` for a configured run, ``checks/gpu_check.py`` for an engine).
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rmm.recording import RecordingPlan
 
 F32, I64 = 4, 8
 
@@ -69,29 +73,32 @@ BACKWARD_FLOPS_FACTOR = 1.0
 
 @dataclass(frozen=True)
 class OpCount:
-    """Ops one forward pass dispatches: ``fixed + per_layer * L``, plus ``boundary`` (scoring, decision,
-    compaction) when a decision follows the pass. None of them grows with the batch N."""
+    """Ops one forward pass of N streams dispatches: ``fixed + per_layer * L``, plus ``boundary`` (scoring,
+    decision, compaction) when a decision follows the pass, plus ``per_stream`` for each stream beyond the
+    first (each policy scores its own stream; everything else runs once for the batch)."""
 
     fixed: float
     per_layer: float
     boundary: float = 0.0
+    per_stream: float = 0.0
 
-    def launches(self, n_layers: int, boundary: bool) -> float:
-        return self.fixed + self.per_layer * n_layers + (self.boundary if boundary else 0.0)
+    def launches(self, n_layers: int, boundary: bool, rows: int = 1) -> float:
+        extra = self.per_stream * (rows - 1)
+        return self.fixed + self.per_layer * n_layers + (self.boundary if boundary else 0.0) + extra
 
 
 # Ops per forward pass by policy family, from checks/op_count.py's counter (every dispatched op, views
-# included) on Llama-3-8B's structure at B=256, C=64, counted at 2 and 4 layers (linear in L: 32 layers
-# give 2,762 for plain and 3,877 for observed, as counted at 32 layers). Counted at batch 1 on the engine
-# of commit 2faa5d8, whose pass over one document is what the batch's one memory (issue 36) does once per
-# pass for any N; that engine repeats it per document (h2o at batch 8: 15,034 ops per pass). Replace the
-# rows with results/bench/op_count.md's at batch 8 and 16 once that benchmark counts the batched memory.
+# included) on Llama-3-8B's structure at B=256, C=64: a + b L counted at 2 and 4 layers on one stream
+# (32 layers give 2,762 for plain and 3,877 for observed), per_stream from the batched memory at 32 layers
+# (results/bench/op_count.md: h2o 3,917 and 4,093 at batch 8 and 16, rmm 3,968 and 4,184, window 3,070
+# and 3,118; at batch 1 h2o 3,735 and rmm 3,751, within 4 % below the observed row's 3,877). The reference
+# pass and random were not counted by the batch: they take the rows of their families.
 OP_COUNTS: dict[str, OpCount] = {
     "plain": OpCount(fixed=42, per_layer=85),  # the model's own forward with a KV cache
-    "position": OpCount(fixed=106, per_layer=94, boundary=27),  # full, window, streaming_llm (its row)
-    "recorded_position": OpCount(fixed=112, per_layer=115, boundary=27),  # the reference pass
-    "score": OpCount(fixed=95, per_layer=94, boundary=108),  # no attention recorded: random (oracle alike)
-    "observed": OpCount(fixed=108, per_layer=115, boundary=89),  # attention recorded: rmm (h2o, tova below)
+    "position": OpCount(fixed=106, per_layer=94, boundary=27, per_stream=6),  # full, window, streaming_llm
+    "recorded_position": OpCount(fixed=112, per_layer=115, boundary=27, per_stream=6),  # the reference pass
+    "score": OpCount(fixed=95, per_layer=94, boundary=108, per_stream=27),  # no attention recorded: random
+    "observed": OpCount(fixed=108, per_layer=115, boundary=89, per_stream=27),  # attention recorded: rmm, h2o
 }
 
 
@@ -209,6 +216,27 @@ class StreamShape:
         return "observed" if self.records_attention else "score"
 
 
+def schedule_first(budget: int | None, step: int) -> int:
+    """Tokens in a stream's first forward pass (:meth:`rmm.engine.StreamingEngine.chunks`): at most B."""
+    return step if budget is None else min(step, budget)
+
+
+def stream_shape(recording: RecordingPlan, n_tokens: int, budget: int | None) -> StreamShape:
+    """How one ``n_tokens`` document streams under ``recording`` (budget B of the policy)."""
+    retained, _ = recording.slots(n_tokens)
+    return StreamShape(
+        n_tokens=n_tokens,
+        retained=retained,
+        first=schedule_first(budget, recording.chunk),
+        step=recording.chunk,
+        records_attention=recording.record_attention,
+        per_head_masks=recording.rule is None,
+        n_state=len(recording.state_names),
+        raw_keys=recording.raw_keys,
+        gradient=recording.track_gradient,
+    )
+
+
 def schedule(n_tokens: int, first: int, step: int) -> list[int]:
     """Tokens of every forward pass of an ``n_tokens`` stream (:meth:`rmm.engine.StreamingEngine.chunks`:
     a first pass of ``first`` tokens, then ``step`` tokens each)."""
@@ -259,7 +287,7 @@ def pass_work(
         if stream.records_attention:
             scores = rows * m.n_layers * queries * slots
             moved += scores * (m.n_heads * EAGER_BYTES_PER_SCORE + m.n_kv_heads * RECORDED_BYTES_PER_SCORE)
-    launches = OP_COUNTS[stream.family].launches(m.n_layers, boundary and not stream.causal)
+    launches = OP_COUNTS[stream.family].launches(m.n_layers, boundary and not stream.causal, rows)
     if stream.gradient:
         flops *= 1 + BACKWARD_FLOPS_FACTOR
         moved += weights * BACKWARD_FLOPS_FACTOR

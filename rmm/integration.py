@@ -184,29 +184,75 @@ def _attend(
         else:
             out = _attention_with_sinks(q, sink_query, keys, values, kv_memory, layer, scaling)
         return out.reshape(rows, n_kv * group, n_q, head_dim)
-    wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for an fp64 model
-    logits = torch.matmul(q, keys[:, :, None].transpose(-1, -2)).to(wide) * scaling  # [N, H, G, Q, S]
+    blocked = kv_memory.blocked_mask(layer)
+    hidden = ~kv_memory.allowed_mask(layer) if blocked is None else blocked  # [N, H or 1, Q, S]
+    outs = []
+    for part in row_blocks(q, keys.shape[2], kv_memory.track_gradient):
+        probs = _probabilities(
+            q[part],
+            keys[part],
+            hidden[part],
+            None if sink_query is None else sink_query[part],
+            kv_memory.n_sink_slots,
+            scaling,
+            softcap,
+            s_aux,
+        )
+        if kv_memory.record_attention:
+            kv_memory.store_attention(layer, probs.sum(dim=2), part)  # GQA group summed: [n, H, Q, S]
+        out = torch.matmul(probs.to(values.dtype), values[part][:, :, None])  # [n, H, G, Q, D]
+        if kv_memory.track_gradient:
+            out = kv_memory.track_output(layer, probs, values, out)
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(rows, n_kv * group, n_q, head_dim)
+
+
+# the explicit path on a CPU: rows per computation such that one computation's fp32 probabilities
+# [n, n_heads, Q, S] stay within about this many bytes (a cache's worth: the batch's at once spill to memory
+# between the softmax's passes); on other devices every row at once
+CPU_BLOCK_BYTES = 2**20
+
+
+def row_blocks(query: torch.Tensor, n_slots: int, whole: bool) -> list[slice]:
+    """The blocks of rows the explicit path computes at once for queries [N, H, G, Q, D] over ``n_slots``
+    slots: all N off the CPU or when ``whole`` (gradient tracking keeps one graph per layer), else as
+    many as keep the fp32 probabilities within :data:`CPU_BLOCK_BYTES`."""
+    rows = query.shape[0]
+    if whole or query.device.type != "cpu":
+        return [slice(0, rows)]
+    per_row = query[0, ..., 0].numel() * n_slots * 4
+    step = max(1, CPU_BLOCK_BYTES // per_row)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _probabilities(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    hidden: torch.Tensor,
+    sink_query: torch.Tensor | None,
+    n_sinks: int,
+    scaling: float,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention probabilities [n, H, G, Q, S] in fp32 (fp64 for an fp64 model) of queries q [n, H, G, Q, D]
+    over keys [n, H, S, D], ``hidden`` [n, H or 1, Q, S] masked out; the first ``n_sinks`` slots seen by
+    ``sink_query`` where given; logits soft-capped by ``softcap``; one more logit per query head from
+    ``s_aux`` [n_heads] whose probability is dropped."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q, keys[:, :, None].transpose(-1, -2)).to(wide) * scaling  # [n, H, G, Q, S]
     if sink_query is not None:
-        n_sinks = kv_memory.n_sink_slots
         sink_keys = keys[:, :, None, :n_sinks].transpose(-1, -2)
         logits[..., :n_sinks] = torch.matmul(sink_query, sink_keys).to(wide) * scaling
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    blocked = kv_memory.blocked_mask(layer)
-    logits = logits.masked_fill(
-        (~kv_memory.allowed_mask(layer) if blocked is None else blocked)[:, :, None], float("-inf")
-    )
+    logits = logits.masked_fill(hidden[:, :, None], float("-inf"))
     if s_aux is None:
-        probs = torch.softmax(logits, dim=-1)
-    else:  # one more logit per query head, whose probability is dropped
-        sinks = s_aux.to(wide).view(1, n_kv, group, 1, 1).expand(rows, -1, -1, n_q, 1)
-        probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
-    if kv_memory.record_attention:
-        kv_memory.store_attention(layer, probs.sum(dim=2))  # GQA group summed: [N, H, Q, S]
-    out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [N, H, G, Q, D]
-    if kv_memory.track_gradient:
-        out = kv_memory.track_output(layer, probs, values, out)
-    return out.reshape(rows, n_kv * group, n_q, head_dim)
+        return torch.softmax(logits, dim=-1)
+    rows, n_kv, group, n_q, _ = logits.shape
+    sinks = s_aux.to(wide).view(1, n_kv, group, 1, 1).expand(rows, -1, -1, n_q, 1)
+    return torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
 
 
 def attention_path(kv_memory: SlotMemory, softcap: float | None, s_aux: torch.Tensor | None) -> str:

@@ -412,9 +412,9 @@ class SlotMemory:
             return None
         return self.rotary.apply(query, self._sink_table, layer)
 
-    def store_attention(self, layer: int, probs: torch.Tensor) -> None:
-        """Attention probabilities [N, H, Q, R + Q] of the chunk's queries, GQA group summed."""
-        self.attn[layer, :, :, : probs.shape[2], : probs.shape[3]] = probs.detach()
+    def store_attention(self, layer: int, probs: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Attention probabilities [n, H, Q, R + Q] of the chunk's queries of ``rows``, GQA group summed."""
+        self.attn[layer, rows, :, : probs.shape[2], : probs.shape[3]] = probs.detach()
 
     def track_output(
         self, layer: int, probs: torch.Tensor, values: torch.Tensor, output: torch.Tensor

@@ -30,7 +30,7 @@ def test_ops_land_in_their_phases() -> None:
     assert 0 < plain.kernels < plain.total_ops  # views launch no kernel
     assert all(h2o.ops[phase] > 0 for phase in op_count.PHASE_NAMES), h2o.ops
     assert window.ops["attention"] > 0 and window.ops["masks"] > 0 and window.ops["compaction"] > 0
-    assert window.ops["scoring"] == 0 and window.ops["decision"] == 0, window.ops
+    assert window.ops["scoring"] == 0 and window.ops["decision"] > 0, window.ops  # the rule's keep mask
     # per pass: a whole number of ops, the same for every pass between the two stream lengths
     assert all(n == int(n) for row in (plain, h2o, window) for n in row.ops.values())
 

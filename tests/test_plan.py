@@ -105,9 +105,9 @@ def allocated(
     logits_shapes = []
     if plan.record_attention:
         store = memory.store_attention
-        memory.store_attention = lambda layer, probs, store=store: (
+        memory.store_attention = lambda layer, probs, rows=slice(None), store=store: (
             logits_shapes.append(probs.shape),
-            store(layer, probs),
+            store(layer, probs, rows),
         )
     # a chunk past the budget: the steady state, where position rules re-rotate their sinks
     n_q = plan.slots(N_TOKENS)[1]

@@ -59,7 +59,7 @@ def test_pass_work_follows_the_stated_formulas():
     assert model.matmul_params == params
     assert work.flops == 2 * params * tokens + 4 * 2 * 4 * 2 * 4 * slots * 3
     ops = time_model.OP_COUNTS["position"]  # a position rule: one shared mask per layer
-    assert work.launches == ops.fixed + ops.per_layer * 2  # the whole batch's pass, whatever N
+    assert work.launches == ops.fixed + ops.per_layer * 2 + 2 * ops.per_stream  # the batch's pass, 3 rows
     kv = 3 * 2 * 2 * slots * 2 * 2 * 2  # rows x L x H x S x head_dim x (K, V) x bf16
     activations = 2 * tokens * 2 * (4 * 8 + (4 + 4) * 2 + 3 * 16) * 2
     masks = 3 * 2 * 4 * slots  # a shared [Q, S] mask read per layer and stream
@@ -79,18 +79,19 @@ def test_pass_work_follows_the_stated_formulas():
     ],
 )
 def test_launches_per_pass_are_the_op_counts_whatever_the_batch(policy, family):
-    """Ops per pass: a + b L for the policy's family, plus d at a boundary, the same at every batch (one
-    memory for the batch attends once per layer and decides once per pass); times the cost per launch."""
+    """Ops per pass: a + b L for the policy's family, plus d at a boundary and e per stream beyond the first
+    (one memory for the batch attends once per layer and decides once per pass; each policy scores its own
+    stream); times the cost per launch."""
     cfg = planner.compose_config([*LLAMA3_8B, f"policy={policy}"])
     model, _, _, spec = planner.time_works(cfg)
     stream = planner.stream_shape(spec.recording, spec.n_tokens, spec.budget)
     assert stream.family == family
     ops = time_model.OP_COUNTS[family]
     for boundary in (False, True):
-        launches = {
-            time_model.pass_work(model, stream, rows, 64, 2, boundary).launches for rows in (1, 4, 16)
-        }
-        assert launches == {ops.fixed + ops.per_layer * 32 + (ops.boundary if boundary else 0)}
+        for rows in (1, 4, 16):
+            launches = time_model.pass_work(model, stream, rows, 64, 2, boundary).launches
+            extra = ops.per_stream * (rows - 1)
+            assert launches == ops.fixed + ops.per_layer * 32 + (ops.boundary if boundary else 0) + extra
     work = time_model.pass_work(model, stream, 4, 64, 2, True)
     with_host, without = (
         time_model.seconds([work], time_model.with_constants(GPUS["h200"], {"launch_s": s}))
@@ -98,7 +99,7 @@ def test_launches_per_pass_are_the_op_counts_whatever_the_batch(policy, family):
     )
     assert with_host - without == pytest.approx(work.launches * 5e-6)
     plain = time_model.OP_COUNTS["plain"]
-    assert plain.launches(32, False) == 2762 and ops.launches(32, True) <= 1.6 * plain.launches(32, False)
+    assert plain.launches(32, False) == 2762 and ops.launches(32, True, 16) <= 1.6 * plain.launches(32, False)
 
 
 def test_gpu_time_is_the_roofline_plus_overhead():
