@@ -122,21 +122,21 @@ def test_global_layers_of_a_hybrid_model_in_a_batch(models, name, params):
 
 
 @pytest.mark.parametrize(
-    ("name", "params"),
+    ("name", "params", "chunk"),
     [
-        ("h2o", {}),
-        ("rmm", {"lag": 3}),
-        ("streaming_llm", {"sinks": 2}),
-        ("oracle", {}),
-        ("snapkv", {"window": 2}),
+        ("h2o", {}, 5),
+        ("rmm", {"lag": 3}, 5),
+        ("rmm", {"lag": "auto", "step": 1}, 2),  # at chunk 2 its shadows have room, and its arms switch
+        ("streaming_llm", {"sinks": 2}, 5),
+        ("oracle", {}, 5),
+        ("snapkv", {"window": 2}, 5),
     ],
 )
 @pytest.mark.parametrize("positions", ["original", "cache"])
-def test_batched_streams_match_the_reference(models, name, params, positions):
+def test_batched_streams_match_the_reference(models, name, params, chunk, positions):
     """The batched streams against the independent reference, document by document."""
     model = models.setdefault("llama", tiny_model("llama"))
     docs = documents(model, name)
-    chunk = 5 if fits(name, params, 5) else 4
     results, logs = stream(model, docs, name, params, chunk, positions)
     for i, (doc, result, sets) in enumerate(zip(docs, results, logs, strict=True)):
         spec = ReferenceSpec(
@@ -282,3 +282,22 @@ def test_a_batch_on_smollm2_streams_each_play_as_alone(name, params, positions):
     for i, (one, many) in enumerate(zip(alone, batched, strict=True)):
         where = f"SmolLM2 {name} play {i} at batch 3 against alone"
         assert_agree(Trace.of(many, batched_sets[i]), Trace.of(one, alone_sets[i]), where)
+
+
+def test_a_padded_pass_past_the_position_table_is_refused():
+    """A shorter chunk padded to its pass's widest continues its positions (rmm/memory.py); where that
+    would reach past the model's table of positions (GPT-J's sin/cos table of 512) the pass is refused,
+    naming the fix, instead of indexing past the table. C = 3: documents of 511 tokens, 2 tokens (it ends
+    after one pass, and the third takes its row one pass late) and 512 tokens; the first's last chunk
+    (position 510, 1 token) shares a pass with the third's 3-token chunk at 507, padded to reach 512."""
+    from rmm.architectures import tiny_model as registry_model
+
+    model = registry_model("gptj")
+    assert model.config.max_position_embeddings == 512
+    docs = [torch.arange(n) % model.config.vocab_size for n in (511, 2, 512)]
+    policy = make_policy({"name": "h2o"}, budget=8, chunk=3)
+    requests = [StreamRequest(doc, copy.copy(policy)) for doc in docs]
+    with pytest.raises(UnsupportedModelError, match="reaches position 512; cut the documents"):
+        list(StreamingEngine(model, policy, batch=2).stream_many(requests))
+    alone = [StreamRequest(doc, copy.copy(policy)) for doc in docs]  # one per pass: nothing is padded
+    assert len(list(StreamingEngine(model, policy, batch=1).stream_many(alone))) == 3
