@@ -1,12 +1,28 @@
-"""One-call GPU check: correctness of the engine on the device, then speed and memory of a 7-8B shape.
+"""One-call GPU check: kernels and host overhead per pass, the engine's correctness on the device, then the
+speed and memory of a 7-8B shape.
 
-    python -m checks.gpu_check                     # on a CUDA machine: < 8 minutes on one H200
+    python -m checks.gpu_check                        # on a CUDA machine: about 5 minutes on one H200
     python -m checks.gpu_check --device cpu --small   # the same, end to end, in seconds (tests)
 
 Needs only torch, transformers, numpy, pandas and this package (no Hydra, W&B, datasets, GGUF or hub:
-every model is random-initialised). Prints one JSON summary and writes it to ``--out`` (rewritten after
-every section, so a run cut short keeps what it measured). Sections:
+every model is random-initialised). Prints one JSON summary, then the time model's constants as measured
+and the command that predicts with them, and writes the JSON to ``--out`` (rewritten after every
+section, so a run cut short keeps what it measured); each section's elapsed time goes to stderr as it
+ends. Sections, in this order:
 
+- ``kernels``: the ``speed`` section's model at B=2048, C=64: h2o, rmm (lag 64), random (no attention
+  recorded: the fused attention call with a mask, as the position rules) and the equal-work forward,
+  each at batch 4 and 16 (documents of 3,328 random tokens), measured over windows of 5 passes once
+  the memory is full: wall time per pass, CUDA kernels per pass and their summed durations (the GPU-busy
+  time; torch.profiler with CUDA activity), dispatched ops per pass (:class:`checks.op_count.OpCounter`),
+  the kernels that took longest, overall and among the attention's (a fallback to the unfused math
+  kernel shows there), the time model's FLOPs, bytes and launches of such a pass, and the time model's
+  constants from them (:func:`calibration`), which ``checks/plan.py --time --gpu <the JSON>`` reads. On
+  the CPU the launches are the dispatched ops less views and the busy time the ops' own (said in each row).
+- ``points``: what recalibrates the time model (checks/time_model.py) on the device, as speed points
+  (the format of results/bench/speed_points.json, for ``checks/plan.py --calibrate``): the same
+  model, h2o and rmm at B=256, C=64 at batch 1 and 4 (four 2048-token documents), window at batch 4,
+  and plain forward passes over 2048-token windows.
 - ``matrix``: the reference matrix (tiny random Llama, Qwen2, Mistral, GPT-NeoX; every policy; chunk 1
   and 4; both position modes). The token-by-token reference (:mod:`rmm.reference`) runs on the CPU in
   fp32; the engine runs on the device in fp32, where it must agree as on the CPU, and in bf16, where
@@ -16,23 +32,28 @@ every section, so a run cut short keeps what it measured). Sections:
   window, streaming_llm (cache positions), h2o and rmm; plain forward passes over 8k-token windows
   (SDPA); the equal-work forward (the model's own, C tokens per pass, a KV cache of B - C + 1 keys); a
   token-by-token eviction loop over 1k tokens; peak device memory at 8k and 32k tokens.
-- ``points``: what recalibrates the time model (checks/time_model.py) on the device, as speed points
-  (the format of results/bench/speed_points.json, for ``checks/plan.py --calibrate``): the same
-  model, h2o and rmm at B=256, C=64 at batch 1 and 4 (four 2048-token documents), window at batch 4,
-  and plain forward passes over 2048-token windows.
+
+Expected time on one H200 (estimates: nothing here has run on a GPU yet; docs/gpu.md): ``kernels``
+about 1 minute, ``points`` under 1, ``matrix`` 1 to 3, ``speed`` about 2, with the model's set-up
+under 6 minutes in all.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import itertools
 import json
 import platform
+import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +62,13 @@ import pandas as pd
 import torch
 import transformers
 import yaml
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from checks import time_model
+from checks.op_count import OpCounter
+from checks.time_model import Hardware, ModelShape, StreamShape
 from checks.yardsticks import equal_work, plain_forward, token_loop
 from rmm.engine import StreamingEngine, StreamRequest
 from rmm.files import atomic_write_text
@@ -336,6 +362,237 @@ def speed_points(device: torch.device, small: bool) -> dict[str, Any]:
     return {"speed_points": points}
 
 
+# ---- kernels per pass, device-busy time, the attention kernels, the time model's constants ----------
+EQUAL_WORK = "equal_work"
+KERNEL_RUNS: list[tuple[str, dict[str, Any]]] = [  # (a policy or EQUAL_WORK, params); rmm's lag: B / 32
+    ("h2o", {}),
+    ("rmm", {}),
+    ("random", {}),  # records no attention: the fused SDPA call with a mask (as window, streaming_llm)
+    (EQUAL_WORK, {}),
+]
+KERNEL_SIZES = {  # small -> (B, C, batches, passes per window)
+    False: (2048, 64, (4, 16), 5),
+    True: (64, 16, (2, 4), 2),
+}
+FUSED_NAMES = ("flash", "fmha", "efficient", "cudnn", "sdpa")  # fused attention kernels (or CPU ops)
+ATTENTION_NAMES = (*FUSED_NAMES, "attention", "attn", "softmax", "bmm")
+NOT_ATTENTION = ("log_softmax", "logsoftmax")  # the NLL's log-softmax over the vocabulary
+COPY_NAMES = ("Memcpy", "Memset")  # device activities that are copies, not kernel launches
+TOP_KERNELS, NAME_CHARS = 6, 160
+
+
+class Stopwatch:
+    """Seconds from entering to leaving (``seconds``)."""
+
+    seconds = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+@contextlib.contextmanager
+def pass_windows(
+    model: PreTrainedModel,
+    device: torch.device,
+    first: int,
+    passes: int,
+    windows: list[AbstractContextManager],
+) -> Iterator[None]:
+    """Hold ``windows[k]`` open over ``passes`` forward passes (calls of ``model``, counted from 0 on
+    entry) from call ``first + k (passes + 1)``: each opens before its first call and closes before the
+    call after its last, the device synchronised at both ends. Raises if the calls end too soon."""
+    starts = {first + k * (passes + 1): window for k, window in enumerate(windows)}
+    ends = {start + passes for start in starts}
+    calls, stack, closed = itertools.count(), contextlib.ExitStack(), []
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        call = next(calls)
+        if call in ends or call in starts:
+            synchronize(device)
+        if call in ends:
+            stack.close()
+            closed.append(call)
+        if call in starts:
+            stack.enter_context(starts[call])
+
+    handle = model.register_forward_pre_hook(hook)
+    try:
+        yield
+        if len(closed) < len(windows):
+            raise RuntimeError(f"the streams ended before call {max(ends)}, where the last window closes")
+    finally:
+        handle.remove()
+        stack.close()
+
+
+def device_work(profiler: torch.profiler.profile, device: torch.device) -> list[tuple[str, float]]:
+    """(name, seconds) of everything the profiler saw run on ``device``: every CUDA kernel and copy; on the
+    CPU (no kernels) every op's self CPU time."""
+    events = profiler.events()
+    if device.type == "cuda":
+        return [(e.name, e.time_range.elapsed_us() / 1e6) for e in events if e.device_type == DeviceType.CUDA]
+    cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    return [(e.name, e.self_cpu_time_total / 1e6) for e in cpu]
+
+
+def kernel_names(work: list[tuple[str, float]], passes: int) -> dict[str, Any]:
+    """The kernels (CPU: ops) that took the most time, overall and among the attention's (names with
+    :data:`ATTENTION_NAMES`, none of :data:`NOT_ATTENTION`), per pass; ``fused_attention``: whether a
+    fused attention kernel (:data:`FUSED_NAMES`) ran."""
+    seconds: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    for name, duration in work:
+        seconds[name] += duration
+        calls[name] += 1
+    ranked = [name for name, _ in seconds.most_common()]
+    attention = [
+        name
+        for name in ranked
+        if any(w in name.lower() for w in ATTENTION_NAMES)
+        and not any(w in name.lower() for w in NOT_ATTENTION)
+    ]
+
+    def rows(names: list[str]) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": n[:NAME_CHARS],
+                "calls_per_pass": calls[n] / passes,
+                "ms_per_pass": 1e3 * seconds[n] / passes,
+            }
+            for n in names[:TOP_KERNELS]
+        ]
+
+    fused = any(word in name.lower() for name in attention for word in FUSED_NAMES)
+    return {"top_kernels": rows(ranked), "attention_kernels": rows(attention), "fused_attention": fused}
+
+
+def kernel_run(
+    model: PreTrainedModel, device: torch.device, name: str, params: dict, docs: torch.Tensor, small: bool
+) -> dict[str, Any]:
+    """One row of the ``kernels`` section: ``docs`` [N, n] streamed side by side under ``name`` (or the
+    equal-work forward), measured over three windows of steady-state passes (the memory full): wall time
+    (nothing else running), the profiler's kernels and their durations, and the dispatched ops
+    (:class:`checks.op_count.OpCounter`); beside them the time model's FLOPs, bytes and launches of
+    such a pass."""
+    budget, chunk, _, passes = KERNEL_SIZES[small]
+    batch, n_tokens = docs.shape
+    shape = ModelShape.from_architecture(model.config.to_dict())
+    if name == EQUAL_WORK:
+        # the work of a position rule's pass over B - C + 1 retained slots; the launches: the plain forward's
+        stream = functools.partial(equal_work, model, budget=budget, chunk=chunk)
+        streams = StreamShape(n_tokens, budget - chunk + 1, chunk, chunk)
+        work = time_model.pass_work(shape, streams, batch, chunk, model.dtype.itemsize, boundary=False)
+        work.launches = time_model.OP_COUNTS["plain"].launches(shape.n_layers, False)
+    else:
+        params = {"lag": budget // 32} if name == "rmm" else params
+        policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
+        engine = StreamingEngine(model, policy, batch=batch)
+
+        def stream(rows: torch.Tensor) -> None:
+            for _ in engine.stream_many(StreamRequest(row, copy.copy(policy)) for row in rows):
+                pass
+
+        streams = time_model.stream_shape(engine.plan, n_tokens, policy.budget)
+        work = time_model.pass_work(shape, streams, batch, chunk, model.dtype.itemsize, boundary=True)
+    stream(docs[:, : 2 * chunk + 1])  # warm-up (and the engine's self-check)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    watch, profiler, counter = Stopwatch(), torch.profiler.profile(activities=activities), OpCounter()
+    with pass_windows(model, device, budget // chunk + 2, passes, [watch, profiler, counter]):
+        stream(docs)
+    recorded = device_work(profiler, device)
+    ops = sum(counter.ops.values()) / passes
+    ops_less_views = ops - sum(counter.views.values()) / passes
+    if device.type == "cuda":
+        launches = sum(not n.startswith(COPY_NAMES) for n, _ in recorded) / passes
+        launches_are = "CUDA kernels (torch.profiler, CUDA activity; copies apart)"
+        busy_is = "the CUDA kernels' and copies' durations"
+    else:
+        launches, launches_are = ops_less_views, "dispatched ops less views (CPU: no kernel launches)"
+        busy_is = "the ops' self CPU time under the profiler (no device)"
+    wall = watch.seconds / passes
+    busy = sum(seconds for _, seconds in recorded) / passes
+    idle = max(wall - busy, 0.0)
+    label = name + (f" ({', '.join(f'{k} {v}' for k, v in params.items())})" if params else "")
+    row: dict[str, Any] = {"run": label, "batch": batch}
+    row |= {"budget": budget, "chunk": chunk, "passes": passes, "wall_s_per_pass": wall}
+    row |= {"launches_per_pass": launches, "launches_are": launches_are, "ops_per_pass": ops}
+    row |= {"ops_less_views_per_pass": ops_less_views, "busy_s_per_pass": busy, "busy_is": busy_is}
+    row |= {"busy_fraction": busy / wall, "idle_s_per_launch": idle / launches if launches else None}
+    row |= {"idle_s_per_op": idle / ops, **kernel_names(recorded, passes)}
+    row["model"] = {"flops": work.flops, "bytes": work.bytes, "launches": work.launches}
+    row["achieved_flops_per_s"] = work.flops / busy if busy else None
+    row["achieved_bytes_per_s"] = work.bytes / busy if busy else None
+    return row
+
+
+def calibration(rows: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """The time model's constants (checks/plan.py --gpu reads them from the check's JSON): F and W the
+    highest FLOP/s and bytes/s of the model's counts per busy second over the rows (lower bounds: every
+    row's busy time is at least the model's), o the median idle time per dispatched op, (wall - busy) /
+    ops; each row's predicted wall time per pass under them (``model_wall_s_per_pass``)."""
+    rows = [row for row in rows if "error" not in row]
+    measured = [row for row in rows if row["busy_s_per_pass"] and row["launches_per_pass"]]
+    if not measured:
+        return {"error": "no row measured a busy time and launches: nothing to calibrate"}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    base = next((key for key in time_model.GPUS if key in name.lower()), None)
+    hardware = Hardware(
+        name=f"{name} (checks/gpu_check.py)",
+        flops=max(row["achieved_flops_per_s"] for row in measured),
+        bytes_per_s=max(row["achieved_bytes_per_s"] for row in measured),
+        launch_s=float(np.median([row["idle_s_per_op"] for row in measured])),
+        memory_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
+        note=(
+            f"measured by checks/gpu_check.py (kernels, {len(measured)} runs): F and W the highest FLOP/s "
+            "and bytes/s of the time model's counts per busy second (lower bounds), o the median idle "
+            "time per dispatched op"
+            + ("" if device.type == "cuda" else "; on the CPU busy is the ops' own time: a smoke test")
+        ),
+    )
+    for row in rows:
+        counted = time_model.Work(row["model"]["flops"], row["model"]["bytes"], row["model"]["launches"], 1)
+        row["model_wall_s_per_pass"] = time_model.seconds([counted], hardware)
+    block = asdict(hardware) | {
+        "launch_s_per_kernel": float(np.median([row["idle_s_per_launch"] for row in measured])),
+        "launch_s_range": [
+            min(row["idle_s_per_op"] for row in measured),
+            max(row["idle_s_per_op"] for row in measured),
+        ],
+        "base": base,
+    }
+    if base is not None:  # the utilisations the time model assumes for this GPU, measured
+        assumed = time_model.GPUS[base]
+        block["matmul_utilisation"] = hardware.flops / assumed.flops * time_model.MATMUL_UTILISATION
+        block["bandwidth_utilisation"] = (
+            hardware.bytes_per_s / assumed.bytes_per_s * time_model.BANDWIDTH_UTILISATION
+        )
+    return block
+
+
+def kernels(device: torch.device, small: bool) -> dict[str, Any]:
+    """Kernels per pass, busy against wall time and the attention kernels of :data:`KERNEL_RUNS` at each
+    batch, and the calibration block of the time model."""
+    budget, chunk, batches, passes = KERNEL_SIZES[small]
+    model = speed_model(device, small)
+    n_tokens = chunk * (budget // chunk + 2 + 3 * (passes + 1))  # the windows' passes, the memory full
+    generator = torch.Generator().manual_seed(2)
+    docs = torch.randint(model.config.vocab_size, (max(batches), n_tokens), generator=generator).to(device)
+    rows = []
+    for batch, (name, params) in itertools.product(batches, KERNEL_RUNS):
+        start = time.perf_counter()
+        try:
+            row = kernel_run(model, device, name, params, docs[:batch], small)
+        except Exception as err:  # a run that fails (out of memory, say) leaves the others measured
+            row = {"run": name, "batch": batch, "error": f"{type(err).__name__}: {err}"}
+        rows.append(row | {"elapsed_s": time.perf_counter() - start})
+        progress(f"kernels: {row['run']} at batch {batch}: {rows[-1]['elapsed_s']:.1f} s")
+    return {"tokens_per_doc": n_tokens, "runs": rows, "calibration": calibration(rows, device)}
+
+
 # ---- driver ----------------------------------------------------------------------------------------
 def environment(device: torch.device) -> dict[str, Any]:
     return {
@@ -352,6 +609,20 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
+def progress(line: str) -> None:
+    """A line on stderr while the check runs."""
+    print(f"[gpu_check] {line}", file=sys.stderr, flush=True)
+
+
+SECTIONS = ("kernels", "points", "matrix", "speed")  # the order they run in: a run cut short keeps the first
+# the sweep whose estimate the calibration feeds (docs/gpu.md, "PG-19 on Llama-3-8B: the estimate")
+PG19_SWEEP = (
+    "model=llama3_8b dataset=pg19 dataset.n_docs=100 dataset.max_tokens=90600 chunk=64 lag=32 "
+    "oracle.context=8192 policy=full,window,streaming_llm,h2o,rmm,tova,random,oracle "
+    "budget=512,1024,2048,4096"
+)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -359,7 +630,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     parser.add_argument("--small", action="store_true", help="tiny sizes: the whole check in seconds")
     parser.add_argument(
-        "--sections", default="matrix,speed,points", help="comma-separated: matrix, speed, points"
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}"
     )
     parser.add_argument("--chunk", type=int, default=64, help="the engine's C in the speed section (64)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu" / "gpu_check.json")
@@ -371,14 +642,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available here: run with --device cpu (add --small for a quick check)")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if unknown := set(sections) - {"matrix", "speed", "points"}:
-        raise SystemExit(f"unknown sections {sorted(unknown)}: use matrix, speed and/or points")
+    if unknown := set(sections) - set(SECTIONS):
+        raise SystemExit(f"unknown sections {sorted(unknown)}: use {', '.join(SECTIONS)}")
     started = time.perf_counter()
     summary: dict[str, Any] = {"environment": environment(device), "small": args.small, "sections": {}}
     for section in sections:
         start = time.perf_counter()
+        progress(f"{section} ...")
         try:
-            if section == "matrix":
+            if section == "kernels":
+                result = kernels(device, args.small)
+            elif section == "matrix":
                 n_tokens = SMALL_MATRIX_TOKENS if args.small else MATRIX_TOKENS
                 cases = matrix_cases(["llama"] if args.small else list(ARCHITECTURES), not args.small)
                 frame = reference_matrix(device, [torch.float32, torch.bfloat16], cases, n_tokens)
@@ -393,7 +667,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary["sections"][section] = result
         summary["wall_s"] = time.perf_counter() - started
         atomic_write_text(args.out, json.dumps(summary, indent=2) + "\n")
+        progress(f"{section}: {result['wall_s']:.1f} s ({summary['wall_s']:.1f} s since the start)")
     print(json.dumps(summary, indent=2))
+    if "kernels" in sections:
+        print(
+            "\nThe time model's constants, measured (checks/plan.py --time --gpu reads them from the JSON):"
+        )
+        print(json.dumps(summary["sections"]["kernels"].get("calibration"), indent=2))
+        print(f"python checks/plan.py {PG19_SWEEP} --time --gpu {args.out}")
     return summary
 
 

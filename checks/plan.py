@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
 from checks import time_model
-from checks.time_model import GPUS, Hardware, ModelShape, StreamShape
+from checks.time_model import GPUS, Hardware, ModelShape, StreamShape, schedule_first, stream_shape
 from rmm import sharing
 from rmm.lookahead import configured_reference_context
 from rmm.models import architecture, config_from_architecture, resolve_dtype
@@ -304,27 +304,6 @@ def largest_batch(cfg: DictConfig, gpu_bytes: int) -> int | None:
 
 
 # ---- time --------------------------------------------------------------------------------------------
-def schedule_first(budget: int | None, step: int) -> int:
-    """Tokens in a stream's first forward pass (:meth:`rmm.engine.StreamingEngine.chunks`): at most B."""
-    return step if budget is None else min(step, budget)
-
-
-def stream_shape(recording: RecordingPlan, n_tokens: int, budget: int | None) -> StreamShape:
-    """How one ``n_tokens`` document streams under ``recording`` (budget B of the policy)."""
-    retained, _ = recording.slots(n_tokens)
-    return StreamShape(
-        n_tokens=n_tokens,
-        retained=retained,
-        first=schedule_first(budget, recording.chunk),
-        step=recording.chunk,
-        records_attention=recording.record_attention,
-        per_head_masks=recording.rule is None,
-        n_state=len(recording.state_names),
-        raw_keys=recording.raw_keys,
-        gradient=recording.track_gradient,
-    )
-
-
 def n_documents(cfg: DictConfig) -> int:
     """Documents of the run: ``dataset.n_docs`` (one with ``stream=concat``)."""
     if cfg.dataset.get("stream") == "concat":
@@ -430,8 +409,9 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
 
 
 def hardware_named(name: str) -> Hardware:
-    """A named GPU (:data:`checks.time_model.GPUS`) or a JSON file of constants (``--calibrate
-    --constants-out``: name, flops, bytes_per_s, launch_s)."""
+    """A named GPU (:data:`checks.time_model.GPUS`) or a JSON file of constants (name, flops, bytes_per_s,
+    launch_s): ``--calibrate --constants-out``'s, or checks/gpu_check.py's JSON, whose ``kernels``
+    section's ``calibration`` holds them."""
     if name.lower() in GPUS:
         return GPUS[name.lower()]
     path = Path(name)
@@ -440,6 +420,8 @@ def hardware_named(name: str) -> Hardware:
     data = json.loads(path.read_text())
     if isinstance(data, list):  # --constants-out writes one entry per fitted group: the first
         data = data[0]
+    elif "sections" in data:  # checks/gpu_check.py's JSON
+        data = data["sections"]["kernels"]["calibration"]
     return Hardware(
         name=data["name"],
         flops=float(data["flops"]),
@@ -716,7 +698,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan (or the times) as JSON")
     parser.add_argument("--time", action="store_true", help="print the expected wall time of the run(s)")
     parser.add_argument(
-        "--gpu", default="h200", help=f"for --time: {', '.join(sorted(GPUS))}, or a constants JSON file"
+        "--gpu",
+        default="h200",
+        help=f"for --time: {', '.join(sorted(GPUS))}, or a constants JSON file (--constants-out's, or "
+        "checks/gpu_check.py's: its kernels section's calibration)",
     )
     parser.add_argument(
         "--launch-us",

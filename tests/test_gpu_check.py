@@ -51,6 +51,24 @@ def test_small_check_runs_end_to_end(tmp_path: Path):
         assert point["model"] == "llama3_1_8b_small_test"  # not a shipped config: calibration skips them
         full_size = dict(point, model="llama3_1_8b")  # the GPU's points: the time model describes them
         assert plan.point_works(full_size).shape[1] == 3
+    kernels = sections["kernels"]
+    _, _, batches, _ = gpu_check.KERNEL_SIZES[True]
+    runs = kernels["runs"]
+    assert [row["batch"] for row in runs] == [b for b in batches for _ in gpu_check.KERNEL_RUNS]
+    for row in runs:
+        assert row["launches_are"].startswith("dispatched ops")  # the CPU's fallback, and it says so
+        assert 0 < row["launches_per_pass"] == row["ops_less_views_per_pass"] < row["ops_per_pass"]
+        assert row["wall_s_per_pass"] > 0 and row["busy_s_per_pass"] > 0 and row["model"]["flops"] > 0
+        assert 0.75 < row["ops_per_pass"] / row["model"]["launches"] < 1.33  # the time model's op counts
+        assert row["attention_kernels"] and row["top_kernels"]
+        if row["run"].startswith(("h2o", "rmm")):  # attention recorded: the explicit path's softmax
+            assert any("softmax" in kernel["name"] for kernel in row["attention_kernels"]), row
+    calibration = kernels["calibration"]
+    hardware = plan.hardware_named(str(out))  # checks/plan.py --time --gpu reads the check's JSON as it is
+    assert hardware.launch_s == calibration["launch_s"] >= 0
+    assert (
+        hardware.flops == calibration["flops"] > 0 and hardware.bytes_per_s == calibration["bytes_per_s"] > 0
+    )
 
 
 IMPORT_CHECK = (
