@@ -269,7 +269,9 @@ def test_half_precision_self_check_catches_a_missing_window(
     model = copy.deepcopy(windowed).to(torch.bfloat16)
     check = engine(model, "h2o", budget=24).self_check(tokens)
     assert check.worst_pass_mean_dnll <= check.tolerance and check.probe_tokens > WINDOW
-    monkeypatch.setattr(integration.Visibility, "__call__", lambda self, q, k: k[..., None, :] <= q[..., :, None])
+    monkeypatch.setattr(
+        integration.Visibility, "__call__", lambda self, q, k: k[..., None, :] <= q[..., :, None]
+    )
     with pytest.raises(UnsupportedModelError, match="a pass's mean NLL"):
         engine(model, "h2o", budget=24).self_check(tokens)
 
@@ -283,3 +285,17 @@ def test_recurrent_layers_refused(tokens):
     config = Lfm2Config(**SMALL, num_key_value_heads=1, layer_types=["conv", "full_attention"])
     with pytest.raises(UnsupportedModelError, match=r"not attention \(conv\)"):
         engine(Lfm2ForCausalLM(config).eval(), "h2o")
+
+
+def test_row_blocks_split_only_the_cpu_explicit_path():
+    """The explicit path's gate: on a CPU, blocks of rows whose fp32 probabilities stay within
+    CPU_BLOCK_BYTES; every row at once on any other device, and whenever gradients are tracked."""
+    rows, heads, group, n_q, dim, slots = 6, 2, 3, 64, 8, 512
+    per_row = heads * group * n_q * slots * 4  # fp32 probabilities of one row
+    query = torch.zeros(rows, heads, group, n_q, dim)
+    blocks = integration.row_blocks(query, slots, whole=False)
+    step = max(1, integration.CPU_BLOCK_BYTES // per_row)
+    assert [b.stop - b.start for b in blocks] == [min(step, rows - s) for s in range(0, rows, step)]
+    assert integration.row_blocks(query, slots, whole=True) == [slice(0, rows)]
+    on_device = torch.zeros(rows, heads, group, n_q, dim, device="meta")  # stands for a GPU's tensor
+    assert integration.row_blocks(on_device, slots, whole=False) == [slice(0, rows)]
