@@ -44,15 +44,15 @@ MUTANTS = [
     Mutant(
         "rmm_weight_flip",
         "rmm/policies/rmm.py",
-        'state["utility"] += weighted_attention(contribution, weight)',
-        'state["utility"] += weighted_attention(contribution, weight.flip(0))',
+        "utility = weighted_attention(contribution, weight)",
+        "utility = weighted_attention(contribution, weight.flip(0))",
         "rmm: the chunk's query weights applied in reverse order (weight index flipped)",
     ),
     Mutant(
         "rmm_weight_shift",
         "rmm/policies/rmm.py",
-        'state["utility"] += weighted_attention(contribution, weight)',
-        'state["utility"] += weighted_attention(contribution, weight.roll(1))',
+        "utility = weighted_attention(contribution, weight)",
+        "utility = weighted_attention(contribution, weight.roll(1))",
         "rmm: each query's weight shifted to the next query",
     ),
     Mutant(

@@ -82,8 +82,8 @@ def check_config(cfg: Mapping[str, Any]) -> None:
         raise ValueError(
             f"chunk ({cfg['chunk']}) must not exceed budget ({cfg['budget']}); set chunk<={cfg['budget']}"
         )
-    if type(cfg["lag"]) is not int or cfg["lag"] < 0:
-        raise ValueError(f"lag must be an integer >= 0, got {cfg['lag']!r}")
+    if cfg["lag"] != "auto" and (type(cfg["lag"]) is not int or cfg["lag"] < 0):
+        raise ValueError(f"lag must be an integer >= 0 or auto (rmm chooses it online), got {cfg['lag']!r}")
     if str(cfg["dtype"]) not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {cfg['dtype']!r}")
     oracle = cfg["oracle"]

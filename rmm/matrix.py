@@ -79,6 +79,8 @@ CASES: list[tuple[str, dict]] = [
     ("rmm", {"lag": 0, "weight": "uniform", "after_commit": "freeze"}),
     ("rmm", {"lag": 3, "weight": "gradient"}),
     ("rmm", {"lag": 3, "weight": "gradient", "after_commit": "freeze"}),
+    ("rmm", {"lag": "auto", "step": 1}),
+    ("rmm", {"lag": "auto", "step": 1, "weight": "uniform"}),
     ("tova", {}),
     ("tova", {"variant": "kvpress"}),
     ("random", {}),

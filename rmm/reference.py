@@ -338,6 +338,7 @@ def _reference_stream(
         "last_use": per_head(),  # j -> last s with a_s(j) >= tau (or j itself)
         "attention_sum": per_head(),  # j -> sum of a_s(j) over the queries that saw j
         "utility": per_head(),  # rmm: j -> its accumulated utility
+        "auto": per_head(),  # rmm lag=auto: its arms' shadows and losses, and h2o's statistic
         "keys": per_head(),  # j -> key j as the model produced it (at made_at[j])
         "values": per_head(),
         "made_at": {},  # j -> the position key j was rotated at by the model
@@ -711,12 +712,67 @@ def _rmm_observe(spec: ReferenceSpec, record: dict, t: int) -> None:
                             utility[layer][h][j] = utility[layer][h].get(j, 0.0) + u
 
 
+def _auto_windows(spec: ReferenceSpec, capacity: int) -> list[int]:
+    """rmm lag=auto's arms as their recent windows: h2o's floor(B' / 2) (uniform statistic), then the
+    candidate lags (the configured weight): step * m for every m >= 2 whose odd part is 1 or 3 (2, 3, 4,
+    6, 8, 12, ...) with 2 * step * m <= B'."""
+    lags = []
+    for m in range(2, capacity + 1):
+        odd = m
+        while odd % 2 == 0:
+            odd //= 2
+        if odd in (1, 3) and 2 * spec.step * m <= capacity:
+            lags.append(spec.step * m)
+    return [capacity // 2, *lags]
+
+
+def _rmm_auto_observe(spec: ReferenceSpec, record: dict, t: int) -> None:
+    """rmm lag=auto after query t, per (layer, KV head). At the first query of a chunk (after the
+    boundary ``start``), every arm's shadow drops, of the retained set R_start less what it dropped
+    before, all but its B' - C best by its own ranking. Every query adds w_t * a_t(j) over the retained
+    entries j < start in an arm's dropped set to that arm's loss, and a_t(j) to h2o's statistic; then
+    rmm's own utility (:func:`_rmm_observe`)."""
+    capacity = spec.budget - spec.chunk + 1
+    windows = _auto_windows(spec, capacity)
+    start = t - t % spec.chunk
+    w = record["weights"][t][spec.weight]
+    for layer, per_head in enumerate(record["rows"][t]):
+        for h, seen in enumerate(per_head):
+            auto = record["auto"][layer][h]
+            if not auto:
+                auto.update(acc={}, dropped=[set() for _ in windows], loss=[0.0 for _ in windows])
+            if t == start > 0:
+                retained = spec.retained_log[start][layer][h]
+                for arm, recent in enumerate(windows):
+                    statistic = auto["acc"] if arm == 0 else record["utility"][layer][h]
+                    held = [j for j in retained if j not in auto["dropped"][arm]]
+                    ranked = sorted(
+                        held,
+                        key=lambda j: (math.inf if j >= start - recent else statistic.get(j, 0.0), j),  # noqa: B023
+                        reverse=True,
+                    )
+                    auto["dropped"][arm] |= set(ranked[max(capacity - spec.chunk, 0) :])
+            for arm, dropped in enumerate(auto["dropped"]):
+                auto["loss"][arm] += sum(w * a for j, a in seen.items() if j < start and j in dropped)
+            for j, a in seen.items():
+                auto["acc"][j] = auto["acc"].get(j, 0.0) + a
+    _rmm_observe(spec, record, t)
+
+
 GRADIENT_DIGITS = 3  # rmm compares gradient utilities at 3 significant digits (docs/semantics.md)
 
 
 def _rmm(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """The accumulated utility (the gradient utility at GRADIENT_DIGITS significant digits); the
-    provisional buffer (the last H positions) kept."""
+    provisional buffer (the last H positions) kept. ``lag=auto``: the arm with the least loss (at
+    SCORE_DIGITS significant digits, the first on ties) ranks by its statistic behind its recent window."""
+    if spec.lag == "auto":
+        auto = record["auto"][layer][h]
+        losses = [_significant(loss) for loss in auto["loss"]]
+        arm = losses.index(min(losses))
+        statistic = auto["acc"] if arm == 0 else record["utility"][layer][h]
+        recent = _auto_windows(spec, capacity)[arm]
+        return _recent({j: statistic.get(j, 0.0) for j in candidates}, now, recent)
     utility = {j: record["utility"][layer][h].get(j, 0.0) for j in candidates}
     if spec.weight == "gradient":
         utility = {j: _significant(u, GRADIENT_DIGITS) for j, u in utility.items()}
@@ -1181,9 +1237,17 @@ RULES: dict[str, Rule] = {
     "h2o": Rule(score=_h2o, protected=_rho_window, params={"rho": 0.5}),
     "rmm": Rule(
         score=_rmm,
-        observe=_rmm_observe,
-        protected=lambda spec, capacity: spec.lag,
-        params={"lag": 0, "weight": "correct", "after_commit": "accumulate", "gradient_loss": "chunk"},
+        observe=lambda spec, record, t: (_rmm_auto_observe if spec.lag == "auto" else _rmm_observe)(
+            spec, record, t
+        ),
+        protected=lambda spec, capacity: capacity // 2 if spec.lag == "auto" else spec.lag,
+        params={
+            "lag": 0,
+            "weight": "correct",
+            "after_commit": "accumulate",
+            "gradient_loss": "chunk",
+            "step": 16,
+        },
     ),
     "tova": Rule(score=_tova, params={"variant": "harness"}),
     "random": Rule(score=_random, protected=_rho_window, params={"rho": 0.5, "seed": 0}),

@@ -249,6 +249,7 @@ ADDED_KEY_DEFAULTS: dict[str, object] = {
     "allocation": "uniform",  # budget allocation across heads and layers; before it, every head kept B'
     "layers": "all",  # the policy in global layers only (hybrid models); before it, in every layer
     "policy.variant": "harness",  # kvpress-named policies: the press's own score (kvpress), or the harness's
+    "policy.step": 16,  # rmm lag=auto's unit of candidate lags (a fixed lag ignores it)
 }
 
 

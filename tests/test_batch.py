@@ -126,6 +126,7 @@ def test_global_layers_of_a_hybrid_model_in_a_batch(models, name, params):
     [
         ("h2o", {}, 5),
         ("rmm", {"lag": 3}, 5),
+        ("rmm", {"lag": "auto", "step": 1}, 2),  # at chunk 2 its shadows have room, and its arms switch
         ("streaming_llm", {"sinks": 2}, 5),
         ("oracle", {}, 5),
         ("snapkv", {"window": 2}, 5),

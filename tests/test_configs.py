@@ -220,6 +220,20 @@ def test_lag_is_defined_once_and_overridable_at_top_level(compose_cfg: Compose) 
         make_policy({"name": "rmm"}, budget=256, chunk=64)
 
 
+def test_lag_auto_passes_the_config_checks(compose_cfg: Compose) -> None:
+    """`python run.py policy=rmm lag=auto`: accepted by the checks, its run name carries the step, and a
+    fixed lag's run name is what it was before the step existed."""
+    from rmm.config import check_run
+
+    cfg = compose_cfg("policy=rmm", "lag=auto")
+    check_run(cfg)
+    assert make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk).lags == [32, 48, 64, 96]
+    assert "/rmm_Hauto_correct_accumulate_step16_B256_C64_" in cfg.run_name
+    assert "/rmm_H64_correct_accumulate_B256_C64_" in compose_cfg("policy=rmm", "lag=64").run_name
+    with pytest.raises(ValueError, match="integer >= 0 or auto"):
+        check_run(compose_cfg("policy=rmm", "lag=sometimes"))
+
+
 def test_layers_enter_the_run_name_only_when_not_all(compose_cfg: Compose) -> None:
     """Run directories written before the layers axis keep their names; layers=global carries _Lglobal."""
     from rmm.config import check_run

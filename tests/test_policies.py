@@ -333,6 +333,59 @@ def test_rmm_provisional_buffer_never_evicted(tiny_models, streams, chunk):
     run_engine(tiny_models["llama"], streams["llama"], "rmm", {"lag": lag}, chunk=chunk, on_boundary=hook)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_lag_auto_switches_arms(tiny_models, streams, arch):
+    """rmm lag=auto at chunk 1 chooses more than one arm on the matrix streams (so the matrix compares the
+    switching with the reference, not h2o alone), and h2o before any shadow drops an entry."""
+    auto = make_policy({"name": "rmm", "lag": "auto", "step": 1}, budget=BUDGET, chunk=1)
+    auto.prepare(streams[arch], lambda stream: None)
+    StreamingEngine(tiny_models[arch], auto).stream(streams[arch])
+    record = auto.metric_fields()["lag_auto"]
+    assert record["arms"] == ["h2o", 2, 3, 4]
+    (counts,) = record["counts"]
+    assert record["boundaries"] == [list(range(1, STREAM_LENGTH))]
+    assert all(row == [sum(row), 0, 0, 0] for row in counts[: BUDGET - 1])  # nothing dropped yet
+    assert len({arm for row in counts for arm, n in enumerate(row) if n}) > 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lag_auto_without_room_for_a_shadow_is_h2o(tiny_models, streams, arch):
+    """At chunk 5 (B' - C < 0) every shadow is empty, every arm loses alike and the tie goes to arm 0:
+    lag=auto keeps exactly h2o's sets."""
+    _, h2o = retained_sets(tiny_models[arch], streams[arch], "h2o", {}, chunk=5)
+    _, auto = retained_sets(tiny_models[arch], streams[arch], "rmm", {"lag": "auto", "step": 1}, chunk=5)
+    assert auto == h2o
+
+
+def test_lag_auto_records_each_document(tiny_models, streams):
+    """rmm.evaluate with lag=auto: one record per document (the copies share the list), each boundary's
+    counts summing to the (layer, KV head) pairs; lag=auto's metrics hold lag None."""
+    import rmm
+
+    model, tokens = tiny_models["llama"], streams["llama"]
+    docs = [tokens, tokens[:13]]
+    result = rmm.evaluate(model, token_ids=docs, policy="rmm", lag="auto", step=1, budget=BUDGET, chunk=2)
+    record = result.metrics["lag_auto"]
+    assert result.metrics["lag"] is None and result.config["policy"]["lag"] == "auto"
+    assert record["boundaries"] == [list(range(2, STREAM_LENGTH, 2)), list(range(2, 13, 2))]
+    pairs = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert all(sum(row) == pairs for counts in record["counts"] for row in counts)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"lag": "auto", "weight": "gradient"}, "weight correct, prob or uniform"),
+        ({"lag": "auto", "after_commit": "freeze"}, "after_commit=freeze"),
+        ({"lag": "auto", "step": 0}, "policy.step"),
+        ({"lag": "often"}, "integer >= 0 or auto"),
+    ],
+)
+def test_bad_lag_auto_is_refused(params, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        make_policy({"name": "rmm", **params}, budget=64, chunk=16)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_smoother_with_uniform_weight_is_future_mass(tiny_models, streams, arch):
     """oracle(future_utility, weight=uniform) keeps exactly future_mass's sets; correct and prob do not."""

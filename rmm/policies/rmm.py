@@ -18,6 +18,19 @@ relative margin moves by up to about 1e-2 on SmolLM2 (``python checks/capabiliti
 near-tie margin of 4 digits. Its utilities are therefore compared at ``GRADIENT_DIGITS`` = 3 significant
 digits (near-tie margin 2e-2), ties to the more recent position.
 
+``lag=auto`` (weights correct, prob and uniform, ``accumulate``; docs/adaptive_lag.md) lets every (layer,
+KV head) choose its ranking at every boundary from a fixed set of arms. Arm 0 is h2o: the uniform
+statistic behind h2o's recent window r = floor(B' / 2), exactly ``policy=h2o``. Arm i >= 1 is rmm with the
+configured weight at the i-th candidate lag, ``step`` x m for m = 2, 3, 4, 6, 8, 12, ... (2^k and 3 x 2^k)
+while the committed pool keeps half the room, 2 H <= B' (:func:`candidate_lags`; none below B' = 4 step,
+where lag=auto is h2o). Each arm keeps a shadow inside the memory: at most B' - C retained entries. Each
+boundary adds the chunk's entries to it, and the arm drops, by its own ranking, all but the B' - C best
+retained entries it holds; a dropped entry stays out, and an entry the memory evicts leaves every shadow.
+Over the chunk that follows, an arm's loss grows by the attention its queries paid to retained entries
+its shadow dropped, weighted as the utility is (sum_s w_s a_s(j)). At a boundary each (layer, KV head)
+ranks by the arm with the least loss summed over the stream so far, the losses compared at 4 significant
+digits, ties to the lower arm (so h2o until another arm has lost less).
+
 ``lag`` has no default here: the one default is the top-level ``lag`` of ``conf/config.yaml``, which
 ``conf/policy/rmm.yaml`` forwards (so ``python run.py policy=rmm lag=64`` works).
 """
@@ -28,7 +41,9 @@ from typing import Any
 import torch
 
 from rmm.policies.base import (
+    SCORE_DIGITS,
     Observation,
+    ReferencePass,
     ScorePolicy,
     check_protected,
     protect_recent,
@@ -36,18 +51,32 @@ from rmm.policies.base import (
     significant,
     weighted_attention,
 )
+from rmm.policies.select import rank
 
 WEIGHTS = ("correct", "prob", "uniform", "gradient")
 GRADIENT_DIGITS = 3  # significant digits at which gradient utilities are compared (the module docstring)
 AFTER_COMMIT = ("accumulate", "freeze")
+AUTO = "auto"  # lag=auto: the lag chosen online (the module docstring)
+H2O = "h2o"  # lag=auto's arm 0, in the record of the choices
+
+
+def candidate_lags(capacity: int, step: int) -> list[int]:
+    """lag=auto's candidate lags at B' = ``capacity``: ``step`` x m for m = 2, 3, 4, 6, 8, 12, ... (2^k and
+    3 x 2^k) with 2 H <= B', so that the committed pool P = B' - H keeps at least half the room."""
+    lags, m = [], 2
+    while 2 * step * m <= capacity:
+        lags.append(step * m)
+        m = m * 3 // 2 if m & (m - 1) == 0 else m * 4 // 3
+    return lags
 
 
 @register
 @dataclass
 class RMM(ScorePolicy):
-    lag: int
+    lag: int | str
     weight: str = "correct"
     after_commit: str = "accumulate"
+    step: int = 16  # lag=auto: the unit of the candidate lags
 
     name = "rmm"
     needs = frozenset({"attention", "outcomes"})
@@ -59,22 +88,69 @@ class RMM(ScorePolicy):
             raise ValueError(f"policy.weight must be one of {WEIGHTS}, got {self.weight!r}")
         if self.after_commit not in AFTER_COMMIT:
             raise ValueError(f"policy.after_commit must be one of {AFTER_COMMIT}, got {self.after_commit!r}")
-        if self.lag < 0:
-            raise ValueError(f"lag must be >= 0, got {self.lag}")
+        if self.lag == AUTO:
+            self._auto_post_init()
+            return
+        if type(self.lag) is not int or self.lag < 0:
+            raise ValueError(f"lag must be an integer >= 0 or {AUTO}, got {self.lag!r}")
         check_protected("lag", self.lag, self.capacity)
         if self.weight == "gradient":  # the utility replaces attention and outcomes
             self.needs = frozenset({"gradient"})
 
+    def _auto_post_init(self) -> None:
+        """lag=auto: the arms, their per-slot shadows, and the record of the choices that the copies of
+        this instance (one per document, :func:`rmm.api.stream_documents`) share."""
+        if self.weight == "gradient" or self.after_commit != "accumulate":
+            raise ValueError(
+                f"lag={AUTO} chooses among h2o and rmm(accumulate) with weight correct, prob or uniform; got "
+                f"weight={self.weight}, after_commit={self.after_commit}: use those, or a fixed lag"
+            )
+        if type(self.step) is not int or self.step < 1:
+            raise ValueError(f"policy.step must be an integer >= 1, got {self.step!r}")
+        self.lags = candidate_lags(self.capacity, self.step)
+        self.shadow_capacity = max(self.capacity - self.chunk, 0)
+        self.state_names = ("utility", "acc", *(f"dropped{a}" for a in range(len(self.lags) + 1)))
+        self.records: list[dict[str, list]] = []  # one per prepared stream, shared by the copies
+        self._record: dict[str, list] | None = None
+        self._loss: torch.Tensor | None = None
+
+    @property
+    def auto(self) -> bool:
+        return self.lag == AUTO
+
     @property
     def protected(self) -> int:
-        return self.lag
+        """H; under lag=auto the most an arm protects, h2o's floor(B' / 2)."""
+        return self.capacity // 2 if self.auto else self.lag
 
     @property
     def score_digits(self) -> int | None:
         return GRADIENT_DIGITS if self.weight == "gradient" else None
 
     def metric_fields(self) -> dict[str, Any]:
-        return {"lag": self.lag}
+        """``lag`` (None under lag=auto) and, under lag=auto, ``lag_auto``: the arms (``h2o``, then the
+        candidate lags) and per prepared stream its boundaries [K] and the count of (layer, KV head) that
+        chose each arm there [K][arms]."""
+        if not self.auto:
+            return {"lag": self.lag}
+        return {
+            "lag": None,
+            "lag_auto": {
+                "arms": [H2O, *self.lags],
+                "boundaries": [record["boundaries"] for record in self.records],
+                "counts": [
+                    torch.stack(record["counts"]).tolist() if record["counts"] else []
+                    for record in self.records
+                ],
+            },
+        }
+
+    def prepare(self, tokens: torch.Tensor, reference: ReferencePass) -> None:
+        """lag=auto: a stream starts with no loss and a record of its own."""
+        if self.auto:
+            self._loss = None
+            self._record = {"boundaries": [], "counts": []}
+            self.records.append(self._record)
 
     def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
         if self.weight == "gradient":
@@ -87,9 +163,52 @@ class RMM(ScorePolicy):
         if self.after_commit == "freeze":
             age = obs.query_pos[:, None] - obs.key_pos[..., None, :]  # [L, H, Q, S]
             contribution = contribution * (age <= self.lag)
-        state["utility"] += weighted_attention(contribution, weight)
+        utility = weighted_attention(contribution, weight)  # [L, H, S]
+        if self.auto:
+            self._judge(state, obs, utility)
+            state["acc"] += obs.attention.sum(dim=-2)
+        state["utility"] += utility
+
+    def _arms(
+        self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: torch.Tensor | int
+    ) -> torch.Tensor:
+        """Every arm's scores [A, L, H, S] at boundary ``now``: h2o's, then rmm's at each candidate lag."""
+        protect = torch.tensor([self.capacity // 2, *self.lags], device=key_pos.device)
+        recent = key_pos >= now - protect[:, None, None, None]  # [A, L, H, S]
+        scores = torch.stack([state["acc"], *[state["utility"]] * len(self.lags)])
+        return torch.where(recent, torch.inf, scores)
+
+    def _judge(self, state: dict[str, torch.Tensor], obs: Observation, utility: torch.Tensor) -> None:
+        """lag=auto, before the chunk's statistics are added: update every arm's shadow for the boundary the
+        chunk began at (``obs.query_pos[0]``), then add to its loss the weighted attention ``utility``
+        [L, H, S] that the chunk paid to retained entries it dropped."""
+        now = obs.query_pos[0]
+        retained = (obs.key_pos >= 0) & (obs.key_pos < now)  # [L, H, S]
+        names = [f"dropped{a}" for a in range(len(self.lags) + 1)]
+        dropped = torch.stack([state[name] for name in names]) > 0  # [A, L, H, S]
+        held = retained & ~dropped
+        key_pos = obs.key_pos.expand_as(held)
+        ranks = rank(torch.where(held, self._arms(state, obs.key_pos, now), -torch.inf), key_pos, held)
+        dropped |= held & (ranks >= self.shadow_capacity)
+        for name, mask in zip(names, dropped, strict=True):
+            state[name].copy_(mask)
+        loss = (utility * (dropped & retained)).sum(dim=-1).double()  # [A, L, H]
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def choice(self) -> torch.Tensor:
+        """lag=auto: each (layer, KV head)'s arm [L, H] (long), the least loss at SCORE_DIGITS significant
+        digits, ties to the lower arm."""
+        assert self._loss is not None, "lag=auto chooses after observing a chunk"
+        return torch.argmin(significant(self._loss, SCORE_DIGITS), dim=0)
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
+        if self.auto:
+            choice = self.choice()
+            if self._record is not None:
+                self._record["boundaries"].append(now)
+                self._record["counts"].append(torch.bincount(choice.flatten(), minlength=len(self.lags) + 1))
+            arms = self._arms(state, obs.key_pos, now)
+            return torch.gather(arms, 0, choice[None, ..., None].expand_as(arms[:1]))[0]
         utility = state["utility"].clone()
         if self.weight == "gradient":  # compared at a stated precision (the module docstring)
             utility = significant(utility, GRADIENT_DIGITS)
