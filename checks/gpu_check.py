@@ -108,7 +108,7 @@ def matrix_cases(archs: list[str], every_case: bool = True) -> list[tuple[str, s
     for arch, (name, params), chunk, positions in itertools.product(
         archs, cases, [1, 4], ["original", "cache"]
     ):
-        if name == "rmm" and params["lag"] >= MATRIX_BUDGET - chunk + 1:
+        if name == "rmm" and params["lag"] != "auto" and params["lag"] >= MATRIX_BUDGET - chunk + 1:
             continue
         if not runs_under(name, params, positions) or ranked_by_rounding(arch, name, params):
             continue

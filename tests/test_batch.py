@@ -223,8 +223,8 @@ def test_a_model_whose_batch_rows_interact_is_refused():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_the_self_check_judges_the_model_alike_at_every_batch(arch):
-    """Only the probe is held against the model's forward, at any batch (its reverse, which is no text,
-    only against itself streamed alone): the same statistic at batch 1 and 4, and a batch statistic."""
+    """Only the probe is held against the model's forward, at any batch (in a batch, beside its reverse,
+    against itself streamed alone): the same statistic at batch 1 and 4, and a batch statistic."""
     model = tiny_model(arch)
     tokens = sampled_stream(model, 40)
     policy = make_policy({"name": "h2o"}, BUDGET, 4)

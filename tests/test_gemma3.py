@@ -118,7 +118,9 @@ def test_the_confirmatory_stream_once_refused_at_batch_4_passes(gemma3) -> None:
     """Cell W2 at generator seed 12 (docs/confirmation.md): the reverse of stream reuse-0003's probe,
     which is no text, differs from Gemma's own forward by up to 1.07e-4 nats in fp32 even streamed alone
     (results/cpu/confirm/selfcheck_rounding.md), and refused every run of that seed at batch 4 while the
-    batched self-check held it against the model. Now only the probe is, as at batch 1."""
+    batched self-check held it against the model. Now only the probe is, as at batch 1, and in the batch only
+    the probe (beside its reverse, in each row) against itself alone: with one memory for the batch the
+    reverse's own row moved by 1.9e-4 nats at a token it predicts at 18 nats (the probe's by 2.9e-5)."""
     from rmm.data import load_documents
     from studies.confirm.confirm import cell_config
 
@@ -132,4 +134,4 @@ def test_the_confirmatory_stream_once_refused_at_batch_4_passes(gemma3) -> None:
         for batch in (1, 4)
     ]
     assert checks[1].max_abs_dnll == checks[0].max_abs_dnll <= NLL_ATOL
-    assert checks[1].batch_dnll is not None and checks[1].batch_dnll <= 5e-6
+    assert checks[1].batch_dnll is not None and checks[1].batch_dnll <= checks[1].tolerance
