@@ -6,9 +6,13 @@ bits differ. Equality is guaranteed only for the same shapes through the same ke
 the design guarantees three things, each with one bound stated here:
 
 - :data:`NLL_BOUND`: while two computations take the same decisions, each token's NLL agrees to within
-  1e-4 nats. Measured: batch 1 against batch 3-4 on the tiny models, about 1e-6; the committed runs
-  re-made on another CPU, 4e-5 over 8192 tokens (``make verify-results``). 1e-4 is above both and two
-  orders of magnitude below the smallest effect the studies report (paired log ratios of 0.01).
+  3e-4 nats. Measured: batch 1 against batch 3-4 on the tiny models, about 1e-6, and on SmolLM2 (one
+  memory for the batch) at most 3.1e-5 over 3080 tokens; the committed runs re-made on another CPU, 4e-5
+  over 8192 tokens (``make verify-results``); a regime-map run (3716 tokens, SmolLM2, rmm freeze at B=64)
+  re-made after the engine moved to one attention call for the batch (other kernels, transformers 5.25
+  against 5.24), 9.4e-5 at one thread and 1.09e-4 at two, at one token (the mean over its tokens 5e-6).
+  The bound was 1e-4 until that run; 3e-4 is about three times the largest measured and still 30 times
+  below the smallest effect the studies report (paired log ratios of 0.01).
 - :data:`TIE_MARGIN`: a decision is a near-tie when its relative margin (the gap between the lowest kept
   and the highest evicted score over their size, :func:`rmm.policies.select.decision_margin`) is below
   1e-4. A score is a sum of attention probabilities or products of fp32 activations; rounding moves it
@@ -22,7 +26,7 @@ the design guarantees three things, each with one bound stated here:
   rounding boundary: for it a near-tie is a margin within two units of the last digit, 2 x 10^(1 - d),
   exact ties included (:func:`tie_margin`).
 - :data:`CORRECT_MARGIN`: ``correct`` (argmax == target) is a near-tie when the top-1 and top-2
-  log-probabilities of the query differ by less than 1e-3 nats, ten times :data:`NLL_BOUND`.
+  log-probabilities of the query differ by less than 1e-3 nats, about three times :data:`NLL_BOUND`.
 
 Once a near-tie flips, the two streams hold different memories and may differ by anything from there
 on: that is a machine divergence, not a regression. :func:`diverge` finds the first difference between
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-NLL_BOUND = 1e-4  # nats per token, fp32 (see the module docstring)
+NLL_BOUND = 3e-4  # nats per token, fp32 (see the module docstring)
 TIE_MARGIN = 1e-4  # relative score gap of a decision
 CORRECT_MARGIN = 1e-3  # nats between the top-1 and top-2 log-probabilities
 

@@ -78,7 +78,7 @@ def test_intact_run_passes_and_perturbed_tokens_fail(committed: Path, tmp_path: 
     )
     assert verify_results.main(args) == 1
     report = out.read_text()
-    assert "**FAIL**" in report and "REGRESSION" in report and "differs by 0.001" in report
+    assert "**FAIL**" in report and "REGRESSION" in report and f"differs by {10 * NLL_BOUND:.1g}" in report
 
 
 def test_an_injected_bug_fails(committed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
