@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 
 from checks.yardsticks import equal_work, plain_forward, token_loop
 from rmm import recording
-from rmm.data import load_documents
+from rmm.data import sample_stream
 from rmm.engine import StreamingEngine, StreamRequest
 from rmm.files import atomic_write_text
 from rmm.models import load_model
@@ -121,15 +121,6 @@ def stream_docs(engine: StreamingEngine, docs: list[torch.Tensor]) -> None:
         pass
 
 
-def load_tokens(tokenizer, n: int) -> torch.Tensor:
-    """The first ``n`` tokens of the Shakespeare sample run as one stream (all plays concatenated)."""
-    data_cfg = OmegaConf.merge(
-        OmegaConf.load(CONF / "dataset/shakespeare.yaml"),
-        {"n_docs": None, "max_tokens": n, "stream": "concat"},
-    )
-    return load_documents(data_cfg, tokenizer)[0][0].tokens
-
-
 def stream_peak(n: int, budget: int, chunk: int) -> None:
     """Child process: stream n tokens with ``window`` and print the peak memory as JSON."""
     from rmm.metrics import PeakMemory
@@ -137,7 +128,7 @@ def stream_peak(n: int, budget: int, chunk: int) -> None:
     model, tokenizer = load_model(
         OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
-    tokens = load_tokens(tokenizer, n)
+    tokens = sample_stream(tokenizer, n)
     memory = PeakMemory(torch.device("cpu"))
     engine = StreamingEngine(model, make_policy({"name": "window"}, budget=budget, chunk=chunk))
     engine.stream(tokens, on_chunk=lambda streamed, nll: memory.sample())
@@ -385,7 +376,7 @@ def main() -> None:
     model, tokenizer = load_model(
         OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
-    tokens = load_tokens(tokenizer, args.tokens)
+    tokens = sample_stream(tokenizer, args.tokens)
     if args.profile:
         return profile(model, tokens, args.budget, args.chunk)
     if args.chunks:

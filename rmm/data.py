@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+from rmm.config import config_dir
 from rmm.files import atomic_path, cache_root, offline_switches
 from rmm.reuse import ReuseSpec, Vocabulary, generate
 
@@ -138,6 +140,16 @@ def load_documents(
             break
     docs = [_concatenate(kept, max_tokens)] if concat and kept else kept
     return docs, DatasetStats(len(docs), skipped, sum(len(d.tokens) for d in docs))
+
+
+def sample_stream(tokenizer: Any, n: int) -> torch.Tensor:
+    """The first ``n`` tokens [n] of the Shakespeare sample as one stream (all plays concatenated): the
+    stream the benchmarks and the gradient study measure on."""
+    data_cfg = OmegaConf.merge(
+        OmegaConf.load(config_dir() / "dataset/shakespeare.yaml"),
+        {"n_docs": None, "max_tokens": n, "stream": "concat"},
+    )
+    return load_documents(data_cfg, tokenizer)[0][0].tokens
 
 
 def default_cache_dir() -> Path:

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
+from rmm.analysis import seeds
 from rmm.data import load_documents
 from rmm.engine import StreamResult
 from rmm.metrics import segment_metrics, token_frame
@@ -29,8 +30,8 @@ ARMS = [
 
 
 def test_holm_steps_down() -> None:
-    assert confirm.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
-    assert confirm.holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
+    assert seeds.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert seeds.holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
 
 
 @pytest.mark.parametrize(
@@ -50,7 +51,7 @@ def test_verdict_rules(predicted: str, row: dict, expected: str) -> None:
 
 def test_t_summary_is_a_t_interval() -> None:
     d = np.array([-0.2, -0.1, -0.3, -0.2, -0.25, -0.15, -0.2, -0.1])
-    out = confirm.t_summary(d)
+    out = seeds.t_summary(d)
     half = 2.364624 * d.std(ddof=1) / math.sqrt(8)  # t_{0.975, 7}
     assert out["ratio_low95"] == pytest.approx(math.exp(d.mean() - half), rel=1e-5)
     assert out["p"] == pytest.approx(2 * 6.12e-5, rel=0.01) and out["ratio"] < 1

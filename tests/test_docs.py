@@ -100,3 +100,15 @@ def test_every_study_file_belongs_to_one_study() -> None:
         if not entry.name.startswith("."):
             owners = claims.get(entry.name, [])
             assert len(owners) == 1, f"results/cpu/{entry.name} belongs to {owners or 'no study'}"
+
+
+def test_studies_import_only_the_library() -> None:
+    """A study's code imports the library (and its own folder), never another study or a check: what two
+    studies share lives in rmm/analysis/."""
+    imports = re.compile(r"^\s*(?:from|import)\s+(studies|checks)(?:\.(\w+))?", re.M)
+    for folder in study_dirs():
+        for source in folder.rglob("*.py"):
+            for package, name in imports.findall(source.read_text()):
+                assert package == "studies" and name == folder.name, (
+                    f"{source.relative_to(ROOT)} imports {package}.{name}: share via rmm/analysis/"
+                )

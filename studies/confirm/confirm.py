@@ -24,13 +24,20 @@ import pandas as pd
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
-from scipy import stats
 
 from rmm.analysis.bootstrap import N_RESAMPLES
 from rmm.analysis.collect import collect
+from rmm.analysis.seeds import (
+    SEED_COLUMN,
+    arm,
+    holm,
+    percentile_interval,
+    pooled_pairs,
+    seed_replicates,
+    t_summary,
+)
 from rmm.config import config_dir
 from rmm.storage import atomic_write_text
-from studies.regimes.regimes import SEED_COLUMN, _interval, _replicates, arm, pooled_pairs
 
 PREDICTIONS = Path(__file__).with_name("confirm_predictions.yaml")
 SEEDS = list(range(11, 19))  # the registered generator seeds
@@ -98,30 +105,6 @@ def seed_log_ratios(runs_a: dict[int, str], runs_b: dict[int, str]) -> tuple[pd.
     return diff.groupby(tokens["seed"]).mean(), tokens.assign(diff=diff)
 
 
-def t_summary(d: np.ndarray) -> dict[str, float]:
-    """Mean, 95 % and 90 % t-intervals (as ratios) and the two-sided p-value of mean d = 0."""
-    n, mean, se = d.size, float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))
-    out = {"log_ratio": mean, "ratio": float(np.exp(mean))}
-    for level in (95, 90):
-        half = float(stats.t.ppf(1 - (1 - level / 100) / 2, n - 1)) * se
-        out[f"ratio_low{level}"], out[f"ratio_high{level}"] = (
-            float(np.exp(mean - half)),
-            float(np.exp(mean + half)),
-        )
-    out["p"] = float(2 * stats.t.sf(abs(mean) / se, n - 1)) if se > 0 else (0.0 if mean else 1.0)
-    return out
-
-
-def holm(p_values: list[float]) -> list[float]:
-    """Holm's step-down adjusted p-values (monotone, capped at 1)."""
-    order = np.argsort(p_values)
-    adjusted, running = np.empty(len(p_values)), 0.0
-    for rank, index in enumerate(order):
-        running = max(running, (len(p_values) - rank) * p_values[index])
-        adjusted[index] = min(1.0, running)
-    return adjusted.tolist()
-
-
 def verdict(predicted: str, row: dict) -> str:
     """The registered rule: confirmed, refuted or unresolved (docs/confirmation.md, Analysis)."""
     rejected = row["p_holm"] < ALPHA
@@ -162,7 +145,7 @@ def verdicts(frame: pd.DataFrame, n_resamples: int = N_RESAMPLES) -> pd.DataFram
                 per_seed, tokens = seed_log_ratios(runs[a], runs[b])
                 block = int(in_cell["dataset.code_tokens"].iloc[0])
                 values = tokens["diff"].to_numpy()
-                low, high = _interval(_replicates(values, tokens, block, n_resamples))
+                low, high = percentile_interval(seed_replicates(values, tokens, block, n_resamples))
                 rows.append(
                     {
                         **row,

@@ -28,7 +28,8 @@ import torch
 from omegaconf import OmegaConf
 from scipy.stats import spearmanr
 
-from checks.bench import CONF, load_tokens
+from rmm.config import config_dir
+from rmm.data import sample_stream
 from rmm.models import load_model
 from rmm.reference import ReferenceSpec, gradient_utility, model_shape
 
@@ -79,9 +80,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(
-        OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+        OmegaConf.load(config_dir() / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
-    tokens = load_tokens(tokenizer, args.tokens)
+    tokens = sample_stream(tokenizer, args.tokens)
     n, chunk = tokens.numel(), args.chunk
     keys, values = produced_keys_values(model, tokens)
     room = args.budget - chunk + 1 - args.lag

@@ -25,7 +25,8 @@ import math
 import torch
 from omegaconf import OmegaConf
 
-from checks.bench import CONF, load_tokens
+from rmm.config import config_dir
+from rmm.data import sample_stream
 from rmm.engine import StreamingEngine
 from rmm.matrix import set_recorder
 from rmm.models import load_model
@@ -61,9 +62,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
     model, tokenizer = load_model(
-        OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
+        OmegaConf.load(config_dir() / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
-    tokens = load_tokens(tokenizer, args.tokens)
+    tokens = sample_stream(tokenizer, args.tokens)
     print(
         f"SmolLM2-135M fp32, {tokens.numel()} Shakespeare tokens, B={args.budget}, H={args.lag}, original "
         f"positions; torch {torch.__version__}"

@@ -32,15 +32,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from rmm.analysis.bootstrap import CONFIDENCE, N_RESAMPLES, SEED, paired_tokens, replicate_means
+from rmm.analysis.bootstrap import N_RESAMPLES
 from rmm.analysis.collect import collect, write_csv
-from rmm.storage import atomic_write_text, read_tokens
+from rmm.analysis.seeds import SEED_COLUMN, arm, percentile_interval, pooled_pairs, seed_replicates
+from rmm.storage import atomic_write_text
 
 log = logging.getLogger(__name__)
 
 FACTORS = ["dataset.n_decoys", "dataset.echo_gap", "dataset.recall_gap", "budget"]
 BASE = {"dataset.n_decoys": 4, "dataset.echo_gap": 32, "dataset.recall_gap": 192, "budget": 128, "lag": 48}
-SEED_COLUMN = "dataset.seed"
 # (arm b, arm a, name): ratio b / a of recall perplexity; below 1 means b recalls better
 COMPARISONS = [
     ("rmm_correct", "h2o", "rmm(correct) / h2o"),
@@ -53,52 +53,8 @@ COMPARISONS = [
     ("rmm_correct", "expected_attention", "rmm(correct) / expected_attention"),
 ]
 SHARE_ARMS = ["rmm_correct", "rmm_uniform", "rmm_freeze", "future_mass", "restkv", "expected_attention"]
-BASELINES_2026 = ("restkv", "expected_attention")  # at their config defaults
 LAGGED = {"rmm_correct", "rmm_uniform", "rmm_freeze"}
 PHASE_PANELS = [name for _, _, name in COMPARISONS[:3]]
-
-
-def arm(row: pd.Series) -> str | None:
-    """The arm a run belongs to, or None for a run outside the design."""
-    if row["policy"] == "h2o":
-        return "h2o"
-    if row["policy"] in BASELINES_2026:
-        return row["policy"]
-    if row["policy"] == "oracle":
-        variant = row.get("policy.variant")
-        if variant == "future_utility" and row.get("policy.weight") == "correct":
-            return "smoother"
-        return "future_mass" if variant == "future_mass" else None
-    if row["policy"] == "rmm":
-        weight, commit = row.get("policy.weight"), row.get("policy.after_commit")
-        if commit == "freeze":
-            return "rmm_freeze" if weight == "correct" else None
-        return {"correct": "rmm_correct", "uniform": "rmm_uniform"}.get(weight)
-    return None
-
-
-def pooled_pairs(pairs: list[tuple[int, str, str]]) -> pd.DataFrame:
-    """Recall tokens of (seed, run a, run b) pairs, concatenated: seed, doc, nll_a, nll_b (doc unique)."""
-    frames = []
-    for seed, run_a, run_b in pairs:
-        paired = paired_tokens(read_tokens(run_a), read_tokens(run_b), "recall")
-        frames.append(paired.assign(seed=seed, doc=[f"{seed}:{d}" for d in paired["doc_id"]]))
-    return pd.concat(frames, ignore_index=True)
-
-
-def _replicates(values: np.ndarray, frame: pd.DataFrame, block: int, n_resamples: int) -> np.ndarray:
-    """Replicate means of per-token ``values`` of ``frame`` (rows grouped by doc, in order), seeds on top."""
-    docs = frame["doc"].to_numpy()
-    starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
-    sizes = np.diff(np.r_[starts, len(docs)])
-    groups = frame["seed"].to_numpy()[starts]
-    return replicate_means(values, sizes, block, n_resamples, SEED, groups)
-
-
-def _interval(replicates: np.ndarray) -> tuple[float, float]:
-    alpha = (1.0 - CONFIDENCE) / 2.0
-    low, high = np.quantile(replicates, [alpha, 1.0 - alpha])
-    return float(low), float(high)
 
 
 def compare_cell(
@@ -112,7 +68,7 @@ def compare_cell(
             continue
         tokens = pooled_pairs([(seed, runs[a][seed], runs[b][seed]) for seed in seeds])
         diff = (tokens["nll_b"] - tokens["nll_a"]).to_numpy()
-        low, high = _interval(_replicates(diff, tokens, block, n_resamples))
+        low, high = percentile_interval(seed_replicates(diff, tokens, block, n_resamples))
         per_seed = pd.Series(diff).groupby(tokens["seed"].to_numpy()).mean()
         per_doc = pd.Series(diff).groupby(tokens["doc"].to_numpy()).mean()
         rows.append(
@@ -134,13 +90,13 @@ def compare_cell(
     if {"h2o", "smoother"} <= complete:
         gap = pooled_pairs([(seed, runs["h2o"][seed], runs["smoother"][seed]) for seed in seeds])
         gap_diff = (gap["nll_a"] - gap["nll_b"]).to_numpy()  # h2o - smoother: what is achievable
-        gap_reps = _replicates(gap_diff, gap, block, n_resamples)
+        gap_reps = seed_replicates(gap_diff, gap, block, n_resamples)
         for name in [arm_name for arm_name in SHARE_ARMS if arm_name in complete]:
             tokens = pooled_pairs([(seed, runs["h2o"][seed], runs[name][seed]) for seed in seeds])
             assert tokens[["doc", "position"]].equals(gap[["doc", "position"]]), "unaligned recall tokens"
             gain = (tokens["nll_a"] - tokens["nll_b"]).to_numpy()  # h2o - arm
-            shares = _replicates(gain, tokens, block, n_resamples) / gap_reps
-            low, high = _interval(shares)
+            shares = seed_replicates(gain, tokens, block, n_resamples) / gap_reps
+            low, high = percentile_interval(shares)
             rows.append(
                 {
                     "comparison": f"share of gap h2o -> smoother: {name}",

@@ -5,7 +5,7 @@
 For every ratio row of ``comparisons.csv`` (``studies/regimes/regimes.py``: cell x comparison b / a, pooled
 over the generator seeds 1, 2, 3), the per-seed paired log-ratio of recall perplexity (each seed's recall
 code tokens, its streams pooled: mean NLL_b - NLL_a) and their mean with a 95 % t-interval on
-n_seeds - 1 = 2 degrees of freedom (``studies.confirm.confirm.t_summary``, the analysis the confirmatory
+n_seeds - 1 = 2 degrees of freedom (``rmm.analysis.seeds.t_summary``, the analysis the confirmatory
 study registered). A row is *resolved* by the bootstrap where the nested bootstrap interval of
 ``comparisons.csv`` excludes 1, by the t-interval where that excludes 1. Prints the counts and writes the
 table; ``comparisons.csv`` and ``cells.md`` are not changed.
@@ -22,9 +22,9 @@ import numpy as np
 import pandas as pd
 
 from rmm.analysis.collect import collect
+from rmm.analysis.seeds import SEED_COLUMN, pooled_pairs, t_summary
 from rmm.storage import atomic_write_text
-from studies.confirm.confirm import t_summary
-from studies.regimes.regimes import COMPARISONS, FACTORS, SEED_COLUMN, _cell_name, cell_runs, pooled_pairs
+from studies.regimes.regimes import COMPARISONS, FACTORS, _cell_name, cell_runs
 
 CELL = [*FACTORS, "lag"]
 
