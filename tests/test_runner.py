@@ -19,6 +19,7 @@ from rmm.data import load_documents
 from rmm.divergence import Trace, diverge
 from rmm.engine import StreamingEngine
 from rmm.lookahead import record_future, record_futures
+from rmm.matrix import CASES
 from rmm.models import load_model
 from rmm.policies import POLICIES, make_policy
 from rmm.runner import run
@@ -60,7 +61,8 @@ PROTOCOL_METRICS = {
     "estimator_spearman",
 }
 N_DOCS, MAX_TOKENS, BUDGET, CHUNK = 3, 40, 12, 4
-SIZED = {"lagkv": ["policy.partition=3", "policy.sinks=1"], "snapkv": ["policy.window=2"]}  # fit B and C
+# each policy with its first case of the reference matrix (sized for its B = 8 at chunks up to 5, so they fit here)
+FIRST_CASES = {name: params for name, params in reversed(CASES)}
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,8 @@ def assert_same_streams(run_dir: Path, expected: dict[str, Trace]) -> None:
 def test_run_equals_direct_engine(tiny_setup, tmp_path, policy, arch, positions, scope):
     """run() gives every document the per-token NLL of a direct StreamingEngine.stream with the same
     policy, budget, chunk, positions and scope (and, for the oracle, that document's own future)."""
-    options = [f"policy={policy}", *SIZED.get(policy, []), f"positions={positions}", f"scope={scope}"]
+    sized = [f"policy.{key}={value}" for key, value in FIRST_CASES[policy].items()]
+    options = [f"policy={policy}", *sized, f"positions={positions}", f"scope={scope}"]
     cfg = config(tiny_setup, *options, arch=arch)
     metrics = run(cfg, tmp_path)
     assert metrics["n_docs"] == N_DOCS
