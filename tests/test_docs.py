@@ -112,3 +112,19 @@ def test_studies_import_only_the_library() -> None:
                 assert package == "studies" and name == folder.name, (
                     f"{source.relative_to(ROOT)} imports {package}.{name}: share via rmm/analysis/"
                 )
+
+
+def test_architecture_lists_every_policy_under_its_base() -> None:
+    """docs/architecture.md names every registered policy once, under the base it derives from."""
+    from rmm.policies import POLICIES
+    from rmm.policies.base import PositionRule, ScorePolicy
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    lists = {
+        base: set(re.findall(r"`(\w+)`", re.search(rf"\(`{base.__name__}`: (.*?)\)", text, re.S).group(1)))
+        for base in (PositionRule, ScorePolicy)
+    }
+    for name, cls in POLICIES.items():
+        (base,) = [base for base in lists if issubclass(cls, base)]
+        assert name in lists[base], f"docs/architecture.md does not list {name} under {base.__name__}"
+    assert set().union(*lists.values()) == set(POLICIES)
