@@ -86,12 +86,12 @@ verify-results: setup
 	$(PY) checks/verify_results.py $(ARGS)
 
 # Every committed report is what the committed runs give today: each study's report code re-run on its runs
-# (REPORT_ONLY=1: no sweep, no model), then nothing under results/ may differ from the commit. CI runs it.
+# (REPORT_ONLY=1: no sweep, no model; every study script that reads it), then nothing under results/ may
+# differ from the commit. CI runs it.
 check-reports: setup
-	for study in natural2048/reproduce_cpu allocation/allocation natural8k/natural8k reuse/reproduce_reuse \
-	        regimes/regimes confirm/confirm; do \
-	    REPORT_ONLY=1 PY=$(PY) bash studies/$$study.sh >.check-reports.log 2>&1 \
-	        || { tail -n 30 .check-reports.log; echo "$$study's report failed"; exit 1; }; \
+	for script in $$(grep -l REPORT_ONLY studies/*/*.sh); do \
+	    REPORT_ONLY=1 PY=$(PY) bash $$script >.check-reports.log 2>&1 \
+	        || { tail -n 30 .check-reports.log; echo "$$script's report failed"; exit 1; }; \
 	done
 	git diff --exit-code --stat -- results
 	test -z "$$(git status --porcelain -- results)" || { git status --short -- results; exit 1; }
