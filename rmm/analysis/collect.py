@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, TOKENS_FILE)
 SKIP_DIRS = ("wandb",)  # W&B keeps its own config.yaml files; hidden dirs (.hydra) are skipped too
-ID_COLUMNS = [
-    "run_name",
+# What one run's setting is: two runs of one policy that agree on these (and on ``policy.*``) are the same
+# configuration; a paired comparison (rmm/analysis/compare.py) pairs runs that agree on them.
+SETTING_COLUMNS = [
     "model",
     "dataset",
     "policy",
@@ -39,8 +40,10 @@ ID_COLUMNS = [
     "allocation",
     "layers",
     "seed",
+    "dtype",
 ]
-SORT_COLUMNS = [*ID_COLUMNS[1:], "run_dir"]
+ID_COLUMNS = ["run_name", *SETTING_COLUMNS]
+SORT_COLUMNS = [*SETTING_COLUMNS, "run_dir"]
 # Columns that tell apart configurations of one policy within a model/dataset besides ``policy.*``.
 VARIANT_COLUMNS = ["chunk", "positions", "scope", "allocation", "layers"]
 PARAM_EXCLUDE = ("policy.name", "policy.tag")

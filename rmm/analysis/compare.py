@@ -43,27 +43,13 @@ from rmm.analysis.bootstrap import (
     TokenMismatchError,
     compare_tokens,
 )
-from rmm.analysis.collect import collect, load_runs, with_labels
+from rmm.analysis.collect import PARAM_EXCLUDE, SETTING_COLUMNS, collect, load_runs, with_labels
 from rmm.analysis.policy_table import policy_sort_key
 from rmm.storage import atomic_write_text, read_metrics, read_tokens, run_is_complete
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BASELINE = "policy=h2o"
-SETTING_COLUMNS = [
-    "model",
-    "dataset",
-    "policy",
-    "budget",
-    "lag",
-    "chunk",
-    "positions",
-    "scope",
-    "seed",
-    "dtype",
-    "allocation",
-]
-PARAM_EXCLUDE = ("policy.name", "policy.tag")
 
 
 def _run_name(run_dir: Path) -> str:

@@ -4,7 +4,7 @@
 # whose directory is complete are skipped (resume=true).
 #   make reproduce-cpu                    # or: bash studies/natural2048/reproduce_cpu.sh [extra Hydra overrides]
 # PY selects the interpreter (default .venv/bin/python); OUT the results folder (default results/cpu);
-# REPRODUCE_SWEEPS a subset of the sweeps (names without the reproduce_cpu_ prefix, space-separated;
+# SWEEPS a subset of the sweeps (names without the reproduce_cpu_ prefix, space-separated;
 # default all); extra arguments go to every sweep; REPORT_ONLY=1 only rewrites the tables and figures.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,7 +12,7 @@ PY=${PY:-.venv/bin/python}
 source studies/sweeps.sh
 OUT=${OUT:-results/cpu}  # another folder for other settings, e.g. OUT=results/cpu8 ... dataset.n_docs=8
 # Order: the cheap references first, the budget-512 rmm lag grid last (the first thing to drop if too slow).
-read -r -a SWEEPS <<<"${REPRODUCE_SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512 rmm_gradient smoother}"
+read -r -a SWEEPS <<<"${SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512 rmm_gradient smoother}"
 
 if [ -z "${REPORT_ONLY:-}" ]; then
     run_sweeps reproduce_cpu_ "${SWEEPS[@]}" -- "hydra.sweep.dir=$OUT/runs" "$@"
