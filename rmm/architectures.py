@@ -14,8 +14,9 @@ overrides) and classified by :func:`classify`:
 * ``skipped``: the type cannot be built small (or its check timed out).
 * ``WRONG``: a mismatch without a refusal, the worst outcome; ``CRASH``: any other exception.
 
-``python -m rmm.architectures [--types a,b] [--out docs/models.md]`` prints the table (and writes it
-between the matrix markers of docs/models.md).
+``python -m rmm.architectures [--types a,b] [--out docs/models.md] [--update]`` prints the table (and
+writes it between the matrix markers of docs/models.md; with ``--update`` only the rows of ``--types``
+change there, the others are kept as the file has them).
 """
 
 from __future__ import annotations
@@ -188,6 +189,12 @@ def _overrides(config: PretrainedConfig) -> dict[str, Any]:
                 out[key] = SIZES["head_dim"]
             elif key in ("sliding_window", "attention_chunk_size", "sliding_window_size"):
                 out[key] = min(value, WINDOW)
+            elif key.endswith("d_state") or key == "ssm_state_size":  # a state-space mixer's state
+                out[key] = min(value, SIZES["head_dim"])
+            elif key == "mamba_chunk_size":  # its scan's chunks: the streams span several
+                out[key] = min(value, WINDOW)
+            elif key == "attn_layer_period":  # one attention layer in every two (Jamba)
+                out[key], out["attn_layer_offset"] = 2, 1
             elif "layers" in key and n_default and 0 < value <= n_default:
                 out[key] = max(1, round(value * n_layers / n_default))
             elif key == "pad_token_id":
@@ -209,6 +216,13 @@ def _overrides(config: PretrainedConfig) -> dict[str, Any]:
                 per_layer = [value.get(i, value.get(str(i))) for i in range(n_default)]
                 per_layer = [_scaled_entries(v, config, out) for v in per_layer]
                 out[key] = {i: v for i, v in enumerate(_per_layer(per_layer, n_layers)) if v is not None}
+    for key in ("attn_layer_indices", "full_attn_idxs"):  # hybrid: attention in every other layer
+        if key in names:  # (Bamba's default has none, LFM2's attends in every layer)
+            out[key] = list(range(1, n_layers, 2))
+            out.pop("layer_types", None)  # derived from them
+    kinds = set(out.get("layer_types") or [])
+    if kinds == {"linear_attention"}:  # the same, where the default lists recurrent layers only (Granite 4)
+        out["layer_types"] = ["linear_attention", "full_attention"] * (n_layers // 2)
     if {"qk_nope_head_dim", "qk_rope_head_dim"} <= names:  # latent attention: query = nope + rope parts
         out["qk_nope_head_dim"] = out["qk_rope_head_dim"] = SIZES["head_dim"] // 2
     return out
@@ -491,11 +505,25 @@ def write_table(path: Path, text: str) -> None:
     atomic_write_text(path, text)
 
 
+def read_rows(path: Path) -> list[Row]:
+    """The rows of the table between the matrix markers of ``path`` (none when it has no table)."""
+    text = path.read_text() if path.is_file() else ""
+    if BEGIN not in text or END not in text:
+        return []
+    rows = []
+    for line in text[text.index(BEGIN) : text.index(END)].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1] in STATUSES:
+            rows.append(Row(*cells))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rmm.architectures", description=__doc__.splitlines()[0])
     parser.add_argument("--types", help="comma-separated model types (default: every causal LM type)")
     parser.add_argument("--out", help="write the table here too (between the matrix markers if it has them)")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per type")
+    parser.add_argument("--update", action="store_true", help="in --out, replace only the rows of --types")
     args = parser.parse_args(argv)
     types = args.types.split(",") if args.types else causal_lm_types()
     torch.set_num_threads(1)
@@ -512,7 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m rmm.architectures" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:])
     )
-    text = table(rows, command, time.perf_counter() - start)
+    wall_s = time.perf_counter() - start
+    if args.update and args.out:
+        fresh = {row.model_type for row in rows}
+        rows += [row for row in read_rows(Path(args.out)) if row.model_type not in fresh]
+        wall_s = None  # the kept rows' time is not this run's
+    text = table(rows, command, wall_s)
     print(text)
     if args.out:
         write_table(Path(args.out), text)

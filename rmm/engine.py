@@ -82,7 +82,9 @@ class StreamingEngine:
     ``batch`` is how many streams :meth:`stream_many` runs side by side in one forward pass.
 
     While a stream runs, the model's attention is :func:`rmm.integration.bounded_attention` (its own
-    implementation is restored afterwards); the model's own KV cache is not used.
+    implementation is restored afterwards); the model's own KV cache holds no attention entry. A model
+    with recurrent or convolutional mixers (hybrid models) carries their state across passes in its own
+    cache, one row per stream (:class:`rmm.integration.CarriedState`, held by the memory).
     """
 
     def __init__(
@@ -105,6 +107,12 @@ class StreamingEngine:
         check_positions(policy, positions)
         integration.check_model(model, positions)
         self.windows = integration.layer_windows(model)  # per layer: past entries its window shows, or None
+        attends = set(integration.attention_layers(model))
+        self.attending = [
+            layer in attends for layer in range(model.config.get_text_config().num_hidden_layers)
+        ]
+        self.carried = integration.carried_layers(model)  # layers with recurrent or convolutional state
+        self.state_bytes = 0  # one stream's recurrent and convolutional state (measured at the first pass)
         check_windows(model, self.windows, policy, scope)
         dims = describe_model(model)
         self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
@@ -112,6 +120,7 @@ class StreamingEngine:
         # widest window of a layer the policy leaves alone (layers=global)
         plan = recording_plan(policy, positions, allocation, self.shape[:2])
         self.plan = plan.exempting(self.windows) if layers == "global" and policy.budget is not None else plan
+        check_carried(model, self.carried, self.plan, scope)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         self.allocation, self.layers, self.batch = allocation, layers, batch
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
@@ -178,6 +187,8 @@ class StreamingEngine:
         them re-rotated (:mod:`rmm.memory`); the chunk itself is ``plan.chunk``."""
         step = plan.chunk
         first = step if self.policy.budget is None else min(step, self.policy.budget)
+        if self.carried:  # every pass but a stream's last as long: a padded query would enter the state
+            step = first
         starts = [0, *range(first, n_tokens, step)] if first < n_tokens else [0]
         return [(start, min(start + (first if start == 0 else step), n_tokens)) for start in starts]
 
@@ -185,14 +196,31 @@ class StreamingEngine:
         """One pass of the memory's N streams: chunks ``tokens`` [N, Q] at ``position_ids`` [N, Q], row i
         over the memory's row i: logits [N, Q, V] (float32). The model's attention must be the bounded
         attention (:func:`rmm.integration.install`)."""
+        state = {}
+        if memory.carried is not None:  # the recurrent state continues from the row's last pass
+            state = {"use_cache": True, integration.cache_keyword(self.model): memory.carried.cache}
         with integration.active(memory):  # the attention function finds it there, not in kwargs
-            out = self.model(input_ids=tokens, position_ids=position_ids, use_cache=False)
+            out = self.model(input_ids=tokens, position_ids=position_ids, **({"use_cache": False} | state))
+        if memory.carried is not None:
+            self.state_bytes = memory.carried.bytes_per_row()
         return out.logits.float()
 
     def new_memory(self, n_tokens: int, plan: RecordingPlan, rows: int = 1) -> SlotMemory:
         """A memory of ``rows`` streams of up to ``n_tokens`` tokens under ``plan``."""
         retained, chunk = plan.slots(n_tokens)
-        return SlotMemory(plan, self.shape, retained, chunk, self.rotary, self.dtype, self.device, rows)
+        carried = integration.CarriedState(self.model) if self.carried else None
+        return SlotMemory(
+            plan,
+            self.shape,
+            retained,
+            chunk,
+            self.rotary,
+            self.dtype,
+            self.device,
+            rows,
+            self.attending,
+            carried,
+        )
 
     def stream(
         self,
@@ -295,6 +323,12 @@ class StreamingEngine:
         lengths = [stream.next_length for stream in rows]
         if min(lengths) < max(lengths):
             self._check_padding(starts, lengths)
+            padded = [s for s, n in zip(rows, lengths, strict=True) if n < max(lengths)]
+            if self.carried and any(s.step + 1 < len(s.schedule) for s in padded):
+                raise UnsupportedModelError(
+                    f"{integration.describe(self.model)} carries recurrent state, which padding a chunk "
+                    "before a stream's last would change; stream its documents with batch=1"
+                )
         position_ids = memory.begin_chunk(starts, lengths)  # [N, Q]
         width = max(lengths)
         tokens, targets = [], []
@@ -562,13 +596,39 @@ def check_layers(layers: str, allocation: str) -> None:
         )
 
 
-def layer_entries(budget: int, windows: list[int | None], exempt: tuple[bool, ...]) -> list[int]:
+def layer_entries(
+    budget: int, windows: list[int | None], exempt: tuple[bool, ...], attending: list[bool] | None = None
+) -> list[int]:
     """Past entries each layer holds at most: B, or min(B, w) for a layer whose window shows w past entries
-    (its budget beyond w is never used), or w for a windowed layer the policy leaves alone."""
+    (its budget beyond w is never used), or w for a windowed layer the policy leaves alone; 0 for a layer
+    that does not attend (``attending``: per layer; default every layer attends)."""
     return [
-        budget if w is None else (w if exempt and exempt[layer] else min(budget, w))
+        0
+        if attending is not None and not attending[layer]
+        else budget
+        if w is None
+        else (w if exempt and exempt[layer] else min(budget, w))
         for layer, w in enumerate(windows)
     ]
+
+
+def check_carried(model: PreTrainedModel, carried: list[int], plan: RecordingPlan, scope: str) -> None:
+    """Refuse what a model with recurrent or convolutional mixers (``carried``: their layers) cannot do
+    with a score-based policy: one set across all layers (``scope=global``; its mixers hold no entries),
+    or the gradient utility (the reference does not carry a hybrid model's state through it)."""
+    if not carried or plan.rule is not None:
+        return
+    name = integration.describe(model)
+    if scope == "global":
+        raise UnsupportedModelError(
+            f"{name} has layers that hold no attention entries (recurrent or convolutional mixers), so one "
+            "set cannot be shared across all layers; use scope=head or scope=layer"
+        )
+    if plan.track_gradient:
+        raise UnsupportedModelError(
+            f"the gradient utility (rmm's weight=gradient) on {name}, whose mixers carry state across "
+            "chunks, is not checked against the reference; use another weight"
+        )
 
 
 def check_windows(

@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from rmm.models import UnsupportedModelError, describe_model
@@ -60,8 +68,23 @@ IGNORED_KWARGS = frozenset(
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 # rope types whose frequencies change with the sequence length (transformers' dynamic_rope_update)
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
-# layer types (config.layer_types) whose layers attend through the attention function
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+PLAIN_ATTENTION_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+)
+# layer types (config.layer_types) whose layers attend through the attention function (a hybrid layer
+# also runs a recurrent or convolutional mixer beside its attention: Falcon-H1, Zamba)
+ATTENTION_LAYER_TYPES = PLAIN_ATTENTION_LAYER_TYPES | {"hybrid", "hybrid_sliding"}
+# layer types whose sliding window is the config's ``sliding_window``
+SLIDING_LAYER_TYPES = frozenset({"sliding_attention", "hybrid_sliding"})
+# the model's own cache layers (transformers' DynamicCache built from the config) the harness can carry:
+# recurrent or convolutional state (carried across chunks, one row per stream), attention entries
+# (never stored: the slot memory holds them), or nothing
+CARRIED_CACHE_LAYERS = (
+    LinearAttentionLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+)
+ATTENTION_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
 # layer types without attention that carry no state from token to token (a chunk boundary changes nothing)
 STATELESS_LAYER_TYPES = frozenset({"mlp", "moe", "dense", "ffn"})
 
@@ -429,7 +452,7 @@ def layer_windows(model: PreTrainedModel) -> list[int | None]:
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         return [None if window is None else int(window) - 1] * config.num_hidden_layers
-    reach = {"sliding_attention": window, "chunked_attention": chunk}
+    reach = dict.fromkeys(SLIDING_LAYER_TYPES, window) | {"chunked_attention": chunk}
     return [None if reach.get(kind) is None else int(reach[kind]) - 1 for kind in layer_types]
 
 
@@ -437,9 +460,10 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
     """Refuse, before streaming, a model whose attention the bounded attention would not reproduce.
 
     Reads the (text) config: ALiBi, bidirectional attention, multi-head latent attention, layers that
-    are not attention (recurrent or convolutional state), and length-dependent RoPE under cache
-    positions. Whatever the config does not say is found by :mod:`rmm.selfcheck` before the first
-    scored token. Raises :class:`UnsupportedModelError` naming the reason.
+    are not attention whose state the model's own cache cannot carry (:func:`carried_layers`), no
+    attention layer at all, and length-dependent RoPE under cache positions. Whatever the config does
+    not say is found by :mod:`rmm.selfcheck` before the first scored token. Raises
+    :class:`UnsupportedModelError` naming the reason.
     """
     config = model.config.get_text_config()
     name = describe(model)
@@ -462,10 +486,11 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
     layer_types = list(getattr(config, "layer_types", None) or [])
     other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES - STATELESS_LAYER_TYPES)
     if other:
+        carried_layers(model)  # the model's own cache must carry them, or the model is refused
+    if layer_types and not set(layer_types) & ATTENTION_LAYER_TYPES:
         raise UnsupportedModelError(
-            f"{name} has layers that are not attention ({', '.join(other)}): their recurrent or "
-            "convolutional state would restart at every chunk, because the engine runs the model without "
-            "its cache; this model is not supported"
+            f"{name} has no attention layer (its layer types: {', '.join(sorted(set(layer_types)))}), so "
+            "there is no KV memory for a policy to bound; this model is not supported"
         )
     rope_types = set()
     for module in model.modules():
@@ -481,6 +506,88 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
             "keys re-rotated to their cache rank would not match the model's own rotation; use "
             "positions=original, or a model with static RoPE scaling"
         )
+
+
+class _AttentionFreeCache(DynamicCache):
+    """The model's own cache (``DynamicCache`` built from its config) whose recurrent and convolutional
+    layers keep their state as the model defines it, and whose attention layers store nothing: ``update``
+    hands the chunk's keys and values back as given, and the bounded attention takes them into the slot
+    memory, which alone holds attention entries."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return key_states, value_states
+
+
+def carried_layers(model: PreTrainedModel) -> list[int]:
+    """The layers whose state the model's own cache carries from token to token (recurrent or
+    convolutional mixers: ``linear_attention``, ``conv``, ``hybrid`` layer types), [] for a model of
+    attention (and stateless) layers only. A model whose own cache the harness cannot carry is refused:
+    one that keeps its own cache class, or cache layers other than transformers' linear-attention,
+    attention and dummy layers."""
+    config = model.config.get_text_config()
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if kinds <= PLAIN_ATTENTION_LAYER_TYPES | STATELESS_LAYER_TYPES:
+        return []
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception as err:
+        raise UnsupportedModelError(
+            f"{describe(model)} has layers that are not attention ({', '.join(sorted(kinds))}) whose state "
+            f"transformers' DynamicCache cannot hold ({type(err).__name__}: {err}), so it would restart at "
+            "every chunk; this model is not supported"
+        ) from err
+    unknown = sorted({type(layer).__name__ for layer in layers} - _known_cache_layers())
+    if unknown:
+        raise UnsupportedModelError(
+            f"{describe(model)} has cache layers {', '.join(unknown)}, which the harness neither carries as "
+            "recurrent state nor replaces by its slot memory; this model is not supported"
+        )
+    return [i for i, layer in enumerate(layers) if isinstance(layer, CARRIED_CACHE_LAYERS)]
+
+
+def _known_cache_layers() -> set[str]:
+    return {cls.__name__ for cls in CARRIED_CACHE_LAYERS + ATTENTION_CACHE_LAYERS}
+
+
+class CarriedState:
+    """The recurrent and convolutional state of a model's non-attention mixers for the N streams of a
+    slot memory (one row each), held by the model's own cache (:class:`_AttentionFreeCache`): the engine
+    passes :attr:`cache` to every forward pass, so each mixer continues from where its row's stream left
+    it. Rows follow the memory's: emptied for a new stream (zero state, as at a stream's start), dropped
+    and added with it. Its size never depends on the stream length."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.cache = _AttentionFreeCache(config=model.config)
+        self.layers = [self.cache.layers[i] for i in carried_layers(model)]
+
+    def _states(self) -> Iterator[tuple[dict, int]]:
+        """(the layer's dict of conv or recurrent states, state index) of every state already made."""
+        for layer in self.layers:
+            for states in (layer.conv_states, layer.recurrent_states):
+                for index, tensor in states.items():
+                    if tensor is not None:
+                        yield states, index
+
+    def reset_row(self, row: int) -> None:
+        """Zero row ``row``'s state (a new stream starts from no state)."""
+        for states, index in self._states():
+            states[index][row] = 0
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` [N'] (in that order)."""
+        for states, i in self._states():
+            states[i] = states[i].index_select(0, index.to(states[i].device))
+
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` zero rows."""
+        for states, i in self._states():
+            states[i] = torch.cat([states[i], states[i].new_zeros(count, *states[i].shape[1:])])
+
+    def bytes_per_row(self) -> int:
+        """Bytes of one stream's state (0 before the first pass made it)."""
+        return sum(states[i][:1].numel() * states[i].element_size() for states, i in self._states())
 
 
 def _check_call(

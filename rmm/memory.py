@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -57,6 +58,17 @@ from rmm.rotary import Rotary, Table
 # a layer's own window: (query_pos [..., Q], key_pos [..., S]) -> bool [..., Q, S], hashable (one per
 # layer type)
 LayerWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RowState(Protocol):
+    """State a model carries from chunk to chunk outside attention, one row per stream
+    (:class:`rmm.integration.CarriedState`): the memory's row changes apply to it too."""
+
+    def reset_row(self, row: int) -> None: ...
+
+    def keep_rows(self, index: torch.Tensor) -> None: ...
+
+    def add_rows(self, count: int) -> None: ...
 
 
 class KeyStorage(Enum):
@@ -92,6 +104,10 @@ class SlotMemory:
         the largest per-head capacity under a non-uniform budget allocation).
     chunk : C, slots for the chunk.
     rows : N, streams held side by side.
+    attending : per layer, whether it attends (default: every layer); a layer that does not (a recurrent
+        or convolutional mixer) holds no entry: its slots stay empty.
+    carried : the model's state outside attention (its recurrent and convolutional mixers), whose rows
+        follow the memory's; None for a model of attention layers only.
     """
 
     def __init__(
@@ -104,11 +120,17 @@ class SlotMemory:
         dtype: torch.dtype,
         device: torch.device,
         rows: int = 1,
+        attending: Sequence[bool] | None = None,
+        carried: RowState | None = None,
     ):
         n_layers, n_heads, head_dim = shape
         slots = retained + chunk
         self.plan, self.retained, self.chunk, self.rows = plan, retained, chunk, rows
         self.rotary, self.device = rotary, device
+        self.carried = carried
+        attending = [True] * n_layers if attending is None else list(attending)
+        # layers that never attend, whose slots stay empty (None: every layer attends)
+        self._silent = None if all(attending) else torch.tensor([not a for a in attending], device=device)
         self.storage = storage = KeyStorage.of(plan)
         self.record_attention = plan.record_attention
         self.track_gradient = plan.track_gradient
@@ -156,7 +178,8 @@ class SlotMemory:
         ] = {}
         self._folded: dict[bool, torch.Tensor] = {}  # fused path: the shared masks with the group in rows
         # position rules: the first layer the rule applies to (the others it applies to hold the same set)
-        self._ruled = next((layer for layer, exempt in enumerate(plan.exempt) if not exempt), 0)
+        ruled = [layer for layer, exempt in enumerate(plan.exempt or [False] * n_layers) if not exempt]
+        self._ruled = next((layer for layer in ruled if attending[layer]), 0)
         self.calls = [0] * n_layers  # attention calls per layer since the memory was made
         self.passes = 0  # forward passes (chunks) begun
         # called by the attention function with (layer, query [N, H, G, Q, D], key [N, H, Q, D]) as the
@@ -178,11 +201,15 @@ class SlotMemory:
         for tensor in self.state.values():
             tensor[:, row] = 0
         self.totals[row] = 0
+        if self.carried is not None:
+            self.carried.reset_row(row)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (in that order), e.g. when streams finish and none replaces them."""
         index = torch.tensor(list(rows), device=self.device)
         self._map_rows(lambda tensor, dim: tensor.index_select(dim, index))
+        if self.carried is not None:
+            self.carried.keep_rows(index)
 
     def add_rows(self, count: int) -> None:
         """Append ``count`` empty rows."""
@@ -193,6 +220,8 @@ class SlotMemory:
             return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
 
         self._map_rows(extend)
+        if self.carried is not None:
+            self.carried.add_rows(count)
         for row in range(self.rows - count, self.rows):
             self.reset_row(row)
 
@@ -265,6 +294,8 @@ class SlotMemory:
         chunk_pos = query_pos if self._pad is None else query_pos.masked_fill(self._pad, -1)
         self.key_pos[..., self.retained :] = -1
         self.key_pos[..., self.retained : end] = chunk_pos[:, None, :]
+        if self._silent is not None:  # a layer that does not attend holds nothing
+            self.key_pos[self._silent] = -1
         for tensor in self.state.values():
             tensor[..., self.retained :] = 0
         key_pos = self.key_pos[..., :end]
@@ -472,6 +503,8 @@ class SlotMemory:
             counts = counts.expand(self.keys.shape[0], -1, -1, -1).clone()
             for layer, (allowed, *_) in self._layer_masks.items():
                 counts[layer] = (allowed.sum(dim=-1) - 1).float().expand_as(counts[layer])
+        if self._silent is not None and counts.shape[0] > 1:  # the average over the layers that attend
+            counts = counts[~self._silent]
         per_query = counts.mean(dim=(0, 2))  # [N, Q]
         if self._pad is not None:
             per_query = per_query.masked_fill(self._pad, 0)

@@ -15,6 +15,10 @@ In particular it has
   exactly as the model rotated it at its own position. With ``positions=cache`` every retained key is
   re-rotated, every step, from the position the model produced it at to its rank in the cache;
   the query is rotated by the model at rank |R_t|;
+- for a model with recurrent or convolutional mixers (hybrid models), the model's own cache over the
+  whole stream (``DynamicCache`` from its config), whose mixers carry their state from token to token
+  as the model defines it and whose attention layers hold exactly R_t (:class:`_Carried`); a layer
+  whose attention is never called holds nothing;
 - its own model shape reading, its own seeded hash for ``random`` (splitmix64 on Python integers),
   its own oracle reference attention (a plain full forward pass, or this decoder under ``window``
   for a windowed reference context);
@@ -215,11 +219,17 @@ def layer_rotations(model: PreTrainedModel) -> list[tuple[list[float], str]]:
     tokens = torch.arange(1, 9)[None] % config.vocab_size
     produced = []
     for shift in (0, PAIRING_SHIFT):
-        cache = DynamicCache()
+        cache = _Carried(model) if _has_mixers(model) else DynamicCache()
         model(tokens, position_ids=torch.arange(8)[None] + shift, cache=cache, use_cache=True)
-        produced.append([cache.layers[layer].keys[0] for layer in range(len(frequencies))])
+        if isinstance(cache, _Carried):
+            produced.append({layer: keys[0] for layer, (keys, _) in cache.produced.items()})
+        else:
+            produced.append({layer: cached.keys[0] for layer, cached in enumerate(cache.layers)})
     rotations = []
     for layer, inv_freq in enumerate(frequencies):
+        if layer not in produced[0]:  # a recurrent or convolutional mixer: no keys, nothing to rotate
+            rotations.append((inv_freq, "none"))
+            continue
         before, after = produced[0][layer].double(), produced[1][layer].double()
         for pairing in PAIRINGS:
             shift = [PAIRING_SHIFT] * 8
@@ -349,11 +359,14 @@ def _reference_stream(
     }
     keys, values, made_at = record["keys"], record["values"], record["made_at"]
     nll, correct = torch.zeros(n - 1), torch.zeros(n - 1, dtype=torch.bool)
+    carried = _Carried(model) if _has_mixers(model) else None
+    if carried is not None and (rule.reads_future or getattr(spec, "weight", None) == "gradient"):
+        raise ValueError("the reference carries a hybrid model's state through one stream, not a look-ahead")
     for t in range(n):
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
         m = max(len(kept) for per_head in retained for kept in per_head)
         query_pos = t if spec.positions == "original" else m
-        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, [t])
+        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, [t], carried)
         out = model(
             tokens[None, t : t + 1],
             position_ids=torch.tensor([[query_pos]]),
@@ -362,11 +375,19 @@ def _reference_stream(
             output_attentions=True,
         )
         made_at[t] = query_pos
-        for layer in range(n_layers):
-            produced = out.past_key_values.layers[layer]
+        if carried is None:
+            produced = {layer: (c.keys, c.values) for layer, c in enumerate(out.past_key_values.layers)}
+        else:
+            produced = carried.produced
+        attending = sorted(produced)  # the layers whose attention ran (every layer but a mixer's)
+        if len(out.attentions) != len(attending):
+            raise ValueError(
+                f"{len(out.attentions)} attention maps for the {len(attending)} layers that attended"
+            )
+        for layer in attending:
             for h in range(n_kv):
-                keys[layer][h][t] = produced.keys[0, h, -1].clone()
-                values[layer][h][t] = produced.values[0, h, -1].clone()
+                keys[layer][h][t] = produced[layer][0][0, h, -1].clone()
+                values[layer][h][t] = produced[layer][1][0, h, -1].clone()
         log_probs = torch.log_softmax(out.logits[0, -1].double(), -1)
         if t + 1 < n:
             nll[t] = -log_probs[tokens[t + 1]]
@@ -375,9 +396,9 @@ def _reference_stream(
         else:  # the document's last query has no target
             weight = {"correct": 0.0, "prob": 0.0}
         record["weights"].append(weight | {"uniform": 1.0})
-        step_attention = []
-        for layer in range(n_layers):
-            heads = out.attentions[layer][0, :, 0].double()  # [n_heads, m + 1]
+        step_attention = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # a mixer sees nothing
+        for layer, maps in zip(attending, out.attentions, strict=True):
+            heads = maps[0, :, 0].double()  # [n_heads, m + 1]
             group = heads.shape[0] // n_kv
             rows = []
             for h in range(n_kv):
@@ -394,11 +415,11 @@ def _reference_stream(
                     if a >= spec.tau or j == t:
                         last_use[j] = t
                     attention_sum[j] = attention_sum.get(j, 0.0) + a
-            step_attention.append(rows)
+            step_attention[layer] = rows
         record["rows"].append(step_attention)
         if record_attention:
             spec.attention_log.append(step_attention)
-        for layer in range(n_layers):
+        for layer in attending:
             for h in range(n_kv):
                 retained[layer][h].append(t)
         now = t + 1
@@ -433,6 +454,7 @@ def _cache(
     positions: str,
     inv_freq: list,
     queries: list[int],
+    carried: _Carried | None = None,
 ):
     """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty, for a pass of
     the queries ``queries`` (original positions). With cache positions every key moves from the position
@@ -441,17 +463,24 @@ def _cache(
 
     Heads holding different numbers of entries (a non-uniform allocation, a windowed layer) are padded
     with zero keys and values to the longest; :data:`_PASS` tells :func:`_ragged_attention` which
-    position each column holds (None: padding) for the pass's queries.
+    position each column holds (None: padding) for the pass's queries. ``carried`` (a hybrid model's own
+    cache over the stream) is returned instead, holding R for the pass, and layers that never attended
+    (no key) hold nothing.
     """
     _PASS.clear()
     _PASS["queries"] = queries
     longest = max(len(kept) for per_head in retained for kept in per_head)
     for layer, per_head in enumerate(retained):
         _PASS[layer] = [kept + [None] * (longest - len(kept)) + queries for kept in per_head]
+    if carried is not None:
+        carried.held.clear()
+        carried.produced.clear()
     if not longest:
-        return None
-    cache = DynamicCache()
+        return carried
+    cache = DynamicCache() if carried is None else carried
     for layer, per_head in enumerate(retained):
+        if not keys[layer][0]:  # a layer whose attention never ran (a recurrent or convolutional mixer)
+            continue
         layer_keys, layer_values = [], []
         for h, kept in enumerate(per_head):
             zero = torch.zeros_like(next(iter(keys[layer][h].values())))
@@ -463,8 +492,35 @@ def _cache(
                 head_keys = rope_rotate(head_keys, shift, *inv_freq[layer])
             layer_keys.append(head_keys)
             layer_values.append(torch.stack([values[layer][h][j] for j in kept] + pad))
-        cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
+        if carried is None:
+            cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
+        else:
+            carried.held[layer] = torch.stack(layer_keys)[None], torch.stack(layer_values)[None]
     return cache
+
+
+def _has_mixers(model: PreTrainedModel) -> bool:
+    """Whether the model's own cache holds state beside attention entries (conv or recurrent states)."""
+    return any(hasattr(layer, "conv_states") for layer in DynamicCache(config=model.config).layers)
+
+
+class _Carried(DynamicCache):
+    """A hybrid model's own cache over one stream: its recurrent and convolutional layers carry their
+    state from token to token as the model defines it; its attention layers hold exactly R. Each pass
+    sets ``held`` (layer -> keys, values [1, H, m, D]); ``update`` returns them followed by the pass's own
+    keys and values, which it records in ``produced`` (layer -> keys, values [1, H, Q, D])."""
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__(config=model.config)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.produced[layer_idx] = key_states, value_states
+        if layer_idx not in self.held:
+            return key_states, value_states
+        keys, values = self.held[layer_idx]
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
 
 # the pass being run: "queries" -> the queries' original positions; layer -> per KV head the position

@@ -37,7 +37,7 @@ from rmm.rotary import Rotary, table_frequencies
 
 TYPES = causal_lm_types()
 # the architectures the harness is documented to support: the matrix must find them exact
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt_neox", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2")
 
 
 def test_the_types_come_from_the_registry():
@@ -48,10 +48,11 @@ def test_the_types_come_from_the_registry():
 # one type per attention family, in the fast suite (`make test`); the whole registry is slow (about 130 s
 # single-threaded; `make test-all`): rotate_half RoPE with GQA, partial rotary, sliding and global layers,
 # soft-capping, k-norm, a sin/cos table with interleaved pairing, interleaved inv_freq, NoPE layers, learned
-# absolute positions, sinks, MoE; and the refused: no attention switch, latent attention, hybrid recurrent
+# absolute positions, sinks, MoE; hybrid recurrent (gated delta rule) and convolutional mixers; and the
+# refused: no attention switch, latent attention
 FAMILIES = (
     "llama", "gpt_neox", "gemma3_text", "gemma2", "qwen3", "gptj", "cohere", "smollm3", "gpt2", "gpt_oss",
-    "mixtral", "falcon", "deepseek_v3", "qwen3_next",
+    "mixtral", "falcon", "deepseek_v3", "qwen3_next", "lfm2",
 )  # fmt: skip
 
 
@@ -72,6 +73,10 @@ def test_tiny_configs_are_small_and_keep_the_layer_kinds():
     assert config.num_hidden_layers == 4 and config.hidden_size == 64 and config.sliding_window == 16
     assert set(config.layer_types) == {"sliding_attention", "full_attention"}
     assert tiny_config("gpt2").n_layer == 4  # through the config's attribute_map
+    # hybrid models keep attention between their mixers, as their checkpoints do, where the default has none
+    assert tiny_config("lfm2").layer_types == ["conv", "full_attention"] * 2
+    assert tiny_config("bamba").layer_types == ["linear_attention", "full_attention"] * 2
+    assert tiny_config("granitemoehybrid").layer_types == ["linear_attention", "full_attention"] * 2
 
 
 def test_the_table_is_sorted_and_counted(tmp_path, capsys):

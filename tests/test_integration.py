@@ -276,14 +276,21 @@ def test_half_precision_self_check_catches_a_missing_window(
         engine(model, "h2o", budget=24).self_check(tokens)
 
 
-def test_recurrent_layers_refused(tokens):
-    """A checkpoint whose layer types include a convolutional layer (LFM2) would restart its state every
-    chunk: refused before any forward pass (the matrix builds transformers' default LFM2 config, which
-    has attention layers only, and finds it exact)."""
+def test_recurrent_layers_the_cache_cannot_carry_are_refused(monkeypatch):
+    """Convolutional and recurrent layers are carried by the model's own cache (tests/test_hybrid.py);
+    a cache layer the harness does not know, or a model without any attention layer, is refused before
+    any forward pass."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     config = Lfm2Config(**SMALL, num_key_value_heads=1, layer_types=["conv", "full_attention"])
-    with pytest.raises(UnsupportedModelError, match=r"not attention \(conv\)"):
+    model = Lfm2ForCausalLM(config).eval()
+    assert engine(model, "h2o").carried == [0]
+    monkeypatch.setattr(integration, "CARRIED_CACHE_LAYERS", ())
+    with pytest.raises(UnsupportedModelError, match="cache layers LinearAttentionLayer"):
+        engine(model, "h2o")
+    monkeypatch.undo()
+    config = Lfm2Config(**SMALL, num_key_value_heads=1, layer_types=["conv", "conv"])
+    with pytest.raises(UnsupportedModelError, match=r"no attention layer \(its layer types: conv\)"):
         engine(Lfm2ForCausalLM(config).eval(), "h2o")
 
 
