@@ -354,9 +354,9 @@ class StreamingEngine:
                     < torch.tensor(scored, device=self.device)[:, None]
                 )
                 record_gradients(memory, (token_nll * counted).sum() if max(scored) > 0 else None)
-        detached = log_probs.detach()
-        top = detached.topk(2, dim=-1).values  # how far the argmax is ahead of the runner-up
-        outcome = (token_nll.detach(), detached.argmax(dim=-1) == targets_t, top[..., 0] - top[..., 1])
+        top = log_probs.detach().topk(2, dim=-1)  # the argmax, and how far it is ahead of the runner-up
+        correct = top.indices[..., 0] == targets_t
+        outcome = (token_nll.detach(), correct, top.values[..., 0] - top.values[..., 1])
         memory.count_attended()
         self._decide(memory, rows, outcome, scored)
         if self.device.type == "cuda":

@@ -270,7 +270,7 @@ def _probabilities(
         logits[..., :n_sinks] = torch.matmul(sink_query, sink_keys).to(wide) * scaling
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    logits = logits.masked_fill(hidden[:, :, None], float("-inf"))
+    logits.masked_fill_(hidden[:, :, None], float("-inf"))  # a fresh tensor: the product's scaled copy
     if s_aux is None:
         return torch.softmax(logits, dim=-1)
     rows, n_kv, group, n_q, _ = logits.shape
