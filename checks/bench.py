@@ -3,7 +3,7 @@
     python checks/bench.py [--tokens 8192] [--docs 8] [--batch 4] [--budget 256] [--chunk 64]
     python checks/bench.py --batches 1 2 4 8       # also tokens/s against the batch size
     python checks/bench.py --chunks 64 256 512     # throughput against C, engine and plain forward
-    python checks/bench.py --profile               # top operators: streaming_llm (cache) vs window
+    python checks/bench.py --profile --batch 8     # top operators: window, h2o and equal work, side by side
     python checks/bench.py --out results/bench     # also write results/bench/speed_B256_T4096.md
 
 The engine streams the first ``--tokens`` tokens of the Shakespeare sample as ``--docs`` documents of
@@ -197,24 +197,34 @@ def chunk_sweep(model, tokens: torch.Tensor, chunks: list[int], budget: int) -> 
         )
 
 
-def profile(model, tokens: torch.Tensor, budget: int, chunk: int, top: int = 12) -> None:
-    """The operators that take the time of one stream under window and under streaming_llm with cache
-    positions (torch.profiler, self CPU time), printed side by side."""
+def profile(
+    model, docs: list[torch.Tensor], names: list[str], budget: int, chunk: int, batch: int, top: int = 14
+) -> None:
+    """Where a pass's time goes: each policy of ``names`` streaming ``docs`` ``batch`` per pass, then the
+    equal-work yardstick over the same tokens, under torch.profiler (self CPU time per operator, the top
+    ``top`` of each and the total), so that the engine's extra operators read off against the model's own."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    for name, positions in (("window", "original"), ("streaming_llm", "cache")):
-        engine = StreamingEngine(
-            model, make_policy({"name": name}, budget=budget, chunk=chunk), positions=positions
-        )
-        engine.stream(tokens[: 2 * budget + 1])  # warm-up
+    runs = {}
+    for name in names:
+        engine = StreamingEngine(model, make_policy({"name": name}, budget=budget, chunk=chunk), batch=batch)
+        engine.self_check(docs[0])
+        runs[name] = lambda engine=engine: stream_docs(engine, docs)
+    groups = batch_groups(docs, batch)
+    runs[EQUAL_WORK] = lambda: [equal_work(model, group, budget, chunk) for group in groups]
+    n = sum(doc.numel() for doc in docs)
+    for name, run in runs.items():
+        run()  # warm-up
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
-        rate = (tokens.numel() - 1) / seconds
-        print(f"\n{name} positions={positions}: {rate:.1f} tokens/s under the profiler")
+            seconds, _ = timed(run)
+        events = prof.key_averages()
+        total = sum(event.self_cpu_time_total for event in events) / 1e6
         print(
-            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
+            f"\n{name}, batch {batch}, B={budget}, C={chunk}: {n / seconds:.1f} tokens/s under the profiler, "
+            f"{total:.2f} s self CPU time in all"
         )
+        print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def write_table(
@@ -361,7 +371,9 @@ def main() -> None:
         help="only sweep the chunk (e.g. 64 256 512): engine and plain forward at each C, B >= 2 max(C)",
     )
     parser.add_argument(
-        "--profile", action="store_true", help="only profile window and streaming_llm (cache): top operators"
+        "--profile",
+        action="store_true",
+        help="only profile --policies (default window,h2o) at --batch and the equal-work yardstick",
     )
     parser.add_argument("--stream-peak", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="also write the speed table as markdown into this folder")
@@ -377,12 +389,13 @@ def main() -> None:
         OmegaConf.load(CONF / "model/smollm2_135m.yaml"), torch.device("cpu"), torch.float32
     )
     tokens = sample_stream(tokenizer, args.tokens)
-    if args.profile:
-        return profile(model, tokens, args.budget, args.chunk)
     if args.chunks:
         return chunk_sweep(model, tokens, args.chunks, max(args.budget, 2 * max(args.chunks)))
     n = tokens.numel()
     docs = list(tokens.split(-(-n // args.docs)))
+    if args.profile:
+        names = (args.policies or "window,h2o").split(",")
+        return profile(model, docs, names, args.budget, args.chunk, args.batch)
     print(
         f"SmolLM2-135M fp32 on CPU, {args.threads} threads, {n} tokens in {len(docs)} documents, "
         f"B={args.budget}, C={args.chunk}, batch {args.batch}"
