@@ -223,7 +223,9 @@ def _attend(
         )
         if kv_memory.record_attention:
             kv_memory.store_attention(layer, probs.sum(dim=2), part)  # GQA group summed: [n, H, Q, S]
-        out = torch.matmul(probs.to(values.dtype), values[part][:, :, None])  # [n, H, G, Q, D]
+        n = probs.shape[0]  # the group as rows again: values are never broadcast
+        out = torch.matmul(probs.to(values.dtype).reshape(n, n_kv, group * n_q, -1), values[part])
+        out = out.view(n, n_kv, group, n_q, head_dim)  # [n, H, G, Q, D]
         if kv_memory.track_gradient:
             out = kv_memory.track_output(layer, probs, values, out)
         outs.append(out)
@@ -264,7 +266,10 @@ def _probabilities(
     ``sink_query`` where given; logits soft-capped by ``softcap``; one more logit per query head from
     ``s_aux`` [n_heads] whose probability is dropped."""
     wide = torch.promote_types(q.dtype, torch.float32)
-    logits = torch.matmul(q, keys[:, :, None].transpose(-1, -2)).to(wide) * scaling  # [n, H, G, Q, S]
+    rows, n_kv, group, n_q, head_dim = q.shape
+    folded = q.reshape(rows, n_kv, group * n_q, head_dim)  # the group as rows: keys are never broadcast
+    logits = torch.matmul(folded, keys.transpose(-1, -2)).to(wide) * scaling
+    logits = logits.view(rows, n_kv, group, n_q, -1)  # [n, H, G, Q, S]
     if sink_query is not None:
         sink_keys = keys[:, :, None, :n_sinks].transpose(-1, -2)
         logits[..., :n_sinks] = torch.matmul(sink_query, sink_keys).to(wide) * scaling
@@ -273,7 +278,6 @@ def _probabilities(
     logits.masked_fill_(hidden[:, :, None], float("-inf"))  # a fresh tensor: the product's scaled copy
     if s_aux is None:
         return torch.softmax(logits, dim=-1)
-    rows, n_kv, group, n_q, _ = logits.shape
     sinks = s_aux.to(wide).view(1, n_kv, group, 1, 1).expand(rows, -1, -1, n_q, 1)
     return torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
 

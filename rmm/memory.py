@@ -85,6 +85,12 @@ class KeyStorage(Enum):
         return cls.ROTATED_AND_RAW if plan.raw_keys else cls.ROTATED
 
 
+def _visible(allowed: torch.Tensor) -> torch.Tensor:
+    """How many keys each query sees: ``allowed`` [..., Q, S] (bool) -> [..., Q] float, summed as bytes into
+    int32 (a bool sum would first copy the mask to int64)."""
+    return allowed.view(torch.uint8).sum(dim=-1, dtype=torch.int32).float()
+
+
 def causal(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
     """bool [..., Q, S]: the valid keys ``key_pos`` [..., S] at or before each query ``query_pos``
     [..., Q]."""
@@ -498,11 +504,11 @@ class SlotMemory:
     def count_attended(self) -> None:
         """Add to each row's total the past entries (itself excluded) its real queries attended in the
         pass, averaged over layers and heads."""
-        counts = (self._allowed.sum(dim=-1) - 1).float()  # [L or 1, N, H or 1, Q]
+        counts = _visible(self._allowed) - 1  # [L or 1, N, H or 1, Q]
         if self._layer_masks:
             counts = counts.expand(self.keys.shape[0], -1, -1, -1).clone()
             for layer, (allowed, *_) in self._layer_masks.items():
-                counts[layer] = (allowed.sum(dim=-1) - 1).float().expand_as(counts[layer])
+                counts[layer] = (_visible(allowed) - 1).expand_as(counts[layer])
         if self._silent is not None and counts.shape[0] > 1:  # the average over the layers that attend
             counts = counts[~self._silent]
         per_query = counts.mean(dim=(0, 2))  # [N, Q]
