@@ -15,7 +15,9 @@ A probe, the first tokens of the longest stream to come, goes through these chec
 3. **Per-token NLL**: the probe streamed in :data:`PROBE_PASSES` passes with an unlimited budget, in
    the run's own position mode and attention path (fused or eager), must equal the model's own forward
    pass over the probe within :data:`TOLERANCE` (max |dNLL| per token). The probe is longer than the
-   longest window (sliding or chunked) that the stream can outgrow, so the windows are exercised.
+   longest window (sliding or chunked) that the stream can outgrow, so the windows are exercised; a
+   hybrid model's recurrent and convolutional state goes through the passes in its own cache (the
+   engine's memory carries it), so a state that restarted at a pass would fail here.
 4. **Batch** (only when the engine streams more than one document per pass): the probe streamed in a
    batch of two beside its own reverse, once in each row, must give what it gives streamed alone, within
    the same tolerance; a model whose batch rows interact is refused. Only the probe, which is text, is
