@@ -65,8 +65,9 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from rmm.config import check_run, config_dir
+from rmm.config import check_run
 from rmm.divergence import CORRECT_MARGIN, NLL_BOUND, TIE_MARGIN, Divergence, Trace, diverge
+from rmm.files import config_dir
 from rmm.runner import ADDED_KEY_DEFAULTS, _changed_keys, run
 from rmm.storage import (
     METRICS_FILE,

@@ -34,12 +34,6 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _WANDB_HOST = "api.wandb.ai"
 
 
-def config_dir() -> Path:
-    """The Hydra configs (``conf/``), in a checkout or an installed wheel: ``initialize_config_dir(str(
-    rmm.config.config_dir()))`` then ``compose("config", overrides=[...])``."""
-    return Path(__file__).resolve().parent / "conf"
-
-
 def when(value: object, expected: object, text: str) -> str:
     return str(text) if value == expected else ""
 

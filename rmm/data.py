@@ -26,8 +26,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from rmm.config import config_dir
-from rmm.files import atomic_path, cache_root, offline_switches
+from rmm.files import atomic_path, cache_root, config_dir, offline_switches
 from rmm.reuse import ReuseSpec, Vocabulary, generate
 
 HUB_TIMEOUT_S = 3.0

@@ -61,3 +61,9 @@ def cache_root() -> Path:
 def offline_switches(names: tuple[str, ...]) -> list[str]:
     """Those of the environment variables ``names`` set to a true value (read now, not at import time)."""
     return [name for name in names if os.environ.get(name, "").strip().lower() in _TRUE]
+
+
+def config_dir() -> Path:
+    """The Hydra configs (``conf/``), in a checkout or an installed wheel: ``initialize_config_dir(str(
+    rmm.files.config_dir()))`` then ``compose("config", overrides=[...])``."""
+    return Path(__file__).resolve().parent / "conf"

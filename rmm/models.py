@@ -121,7 +121,7 @@ def model_config(name: str, revision: str | None = None) -> Mapping[str, Any]:
     else a Hugging Face hub id (at ``revision``)."""
     from omegaconf import OmegaConf
 
-    from rmm.config import config_dir
+    from rmm.files import config_dir
 
     shipped = config_dir() / "model" / f"{name}.yaml"
     if shipped.is_file():

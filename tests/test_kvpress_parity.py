@@ -20,7 +20,8 @@ from hydra import compose, initialize_config_dir
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from checks import kvpress_parity as parity
-from rmm.config import check_run, config_dir
+from rmm.config import check_run
+from rmm.files import config_dir
 from rmm.policies import POLICIES, make_policy
 from rmm.recording import recording_plan
 

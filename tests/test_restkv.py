@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from rmm.config import config_dir
 from rmm.engine import StreamingEngine
+from rmm.files import config_dir
 from rmm.matrix import sampled_stream, set_recorder, tiny_model
 from rmm.policies import make_policy
 from rmm.policies.base import Observation

@@ -65,7 +65,7 @@ def test_wheel_in_a_fresh_venv_runs_the_readme_example(tmp_path: Path) -> None:
     check = (
         "\nimport rmm.config\n"
         "assert str(fresh) in rmm.__file__, rmm.__file__\n"
-        "assert (rmm.config.config_dir() / 'policy' / 'rmm.yaml').is_file()\n"
+        "assert (rmm.files.config_dir() / 'policy' / 'rmm.yaml').is_file()\n"
         "print('ppl', ours.ppl)\n"
     )
     work = tmp_path / "work"

@@ -36,7 +36,7 @@ from rmm.analysis.seeds import (
     seed_replicates,
     t_summary,
 )
-from rmm.config import config_dir
+from rmm.files import config_dir
 from rmm.storage import atomic_write_text
 
 PREDICTIONS = Path(__file__).with_name("confirm_predictions.yaml")

@@ -28,8 +28,8 @@ import torch
 from omegaconf import OmegaConf
 from scipy.stats import spearmanr
 
-from rmm.config import config_dir
 from rmm.data import sample_stream
+from rmm.files import config_dir
 from rmm.models import load_model
 from rmm.reference import ReferenceSpec, gradient_utility, model_shape
 

@@ -25,9 +25,9 @@ import math
 import torch
 from omegaconf import OmegaConf
 
-from rmm.config import config_dir
 from rmm.data import sample_stream
 from rmm.engine import StreamingEngine
+from rmm.files import config_dir
 from rmm.matrix import set_recorder
 from rmm.models import load_model
 from rmm.policies import make_policy
