@@ -9,7 +9,7 @@ overrides) and classified by :func:`classify`:
   per-token NLL (its forward pass, default attention) within :data:`TOLERANCE`; ``window`` (B = 12) and
   ``h2o`` (B = 12, C = 4) match :func:`rmm.reference.reference_stream` in both position modes.
 * ``exact (no reference)``: as ``exact``, but the reference cannot run this architecture (it raised).
-* ``refused``: the harness raised :class:`~rmm.models.UnsupportedModelError` (for some case; the rest
+* ``refused``: the harness raised :class:`~rmm.errors.UnsupportedModelError` (for some case; the rest
   were exact).
 * ``skipped``: the type cannot be built small (or its check timed out).
 * ``WRONG``: a mismatch without a refusal, the worst outcome; ``CRASH``: any other exception.
@@ -40,8 +40,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from rmm.api import evaluate
 from rmm.engine import StreamingEngine
+from rmm.errors import UnsupportedModelError
 from rmm.files import atomic_write_text
-from rmm.models import UnsupportedModelError
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 

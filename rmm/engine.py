@@ -17,8 +17,9 @@ import torch
 from transformers import PreTrainedModel
 
 from rmm import integration, selfcheck
+from rmm.errors import UnsupportedModelError
 from rmm.memory import RowView, SlotMemory, record_gradients
-from rmm.models import UnsupportedModelError, describe_model
+from rmm.models import describe_model
 from rmm.policies import Observation, Policy, ScorePolicy
 from rmm.policies.select import (
     SCOPES,

@@ -13,7 +13,7 @@ Attention features the bounded attention reproduces: causal softmax attention wi
 ``scaling``, multi-head and grouped-query heads, sliding and chunked windows per layer type, attention
 logit soft-capping, learned attention sinks (``s_aux``), and RoPE of any per-layer kind that
 :mod:`rmm.rotary` knows (checked against the model by :mod:`rmm.selfcheck`). Anything else is refused
-with :class:`~rmm.models.UnsupportedModelError` before any token is scored: :func:`check_model` (the
+with :class:`~rmm.errors.UnsupportedModelError` before any token is scored: :func:`check_model` (the
 config), :func:`install` (the model must switch to the attention function), the call check in
 :func:`bounded_attention` (unknown keywords, masks not built through the interface, head shapes) and
 the self-check (:mod:`rmm.selfcheck`).
@@ -40,7 +40,8 @@ from transformers.cache_utils import (
 )
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
-from rmm.models import UnsupportedModelError, describe_model
+from rmm.errors import UnsupportedModelError
+from rmm.models import describe_model
 
 if TYPE_CHECKING:
     from rmm.memory import SlotMemory

@@ -38,6 +38,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rmm.errors import UnsupportedModelError
 from rmm.files import cache_root, offline_switches
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,6 @@ _OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 class ModelNotAvailableError(OSError):
     """The configured model cannot be found locally and cannot be downloaded."""
-
-
-class UnsupportedModelError(ValueError):
-    """The model's attention asks for something the bounded attention does not reproduce."""
 
 
 def resolve_device(name: str) -> torch.device:

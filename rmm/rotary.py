@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from rmm.models import UnsupportedModelError
+from rmm.errors import UnsupportedModelError
 
 _BUFFER = re.compile(r"^(?:(?P<kind>\w+?)_)?inv_freq$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

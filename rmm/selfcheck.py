@@ -28,7 +28,7 @@ A probe, the first tokens of the longest stream to come, goes through these chec
    engine's attention blocks the rows' arithmetic differently, and the reverse moved by 1.9e-4 nats at a
    token it predicts at 18 nats while the probe moved by 2.9e-5, ``tests/test_gemma3.py``.)
 
-Any error raised while probing is turned into :class:`~rmm.models.UnsupportedModelError` naming the
+Any error raised while probing is turned into :class:`~rmm.errors.UnsupportedModelError` naming the
 model type and what failed; so is every mismatch. Nothing is scored before this passes.
 """
 
@@ -42,8 +42,8 @@ import torch
 from transformers import PreTrainedModel
 
 from rmm import integration
+from rmm.errors import UnsupportedModelError
 from rmm.memory import SlotMemory
-from rmm.models import UnsupportedModelError
 from rmm.policies.base import every_key
 from rmm.recording import RecordingPlan
 from rmm.rotary import Rotary

@@ -30,7 +30,7 @@ from rmm.architectures import (
     tiny_model,
 )
 from rmm.engine import StreamingEngine
-from rmm.models import UnsupportedModelError
+from rmm.errors import UnsupportedModelError
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 from rmm.rotary import Rotary, table_frequencies

@@ -22,6 +22,7 @@ from rmm import api
 from rmm.data import Document
 from rmm.divergence import NLL_BOUND, Trace
 from rmm.engine import StreamHooks, StreamingEngine, StreamRequest, StreamResult
+from rmm.errors import UnsupportedModelError
 from rmm.lookahead import ReferenceRunner, record_future, record_futures
 from rmm.matrix import (
     CASES,
@@ -34,7 +35,6 @@ from rmm.matrix import (
     set_recorder,
     tiny_model,
 )
-from rmm.models import UnsupportedModelError
 from rmm.policies import make_policy
 from rmm.reference import POSITION_RULES, ReferenceSpec, reference_stream
 

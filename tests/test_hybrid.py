@@ -19,8 +19,8 @@ from rmm import evaluate, integration
 from rmm.architectures import own_nll
 from rmm.architectures import tiny_model as registry_model
 from rmm.engine import StreamingEngine
+from rmm.errors import UnsupportedModelError
 from rmm.matrix import TINY, sampled_stream, set_recorder
-from rmm.models import UnsupportedModelError
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 

@@ -23,8 +23,8 @@ from transformers import (
 
 from rmm import integration
 from rmm.engine import StreamingEngine
+from rmm.errors import UnsupportedModelError
 from rmm.integration import ATTENTION_NAME, bounded_attention, install
-from rmm.models import UnsupportedModelError
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
