@@ -11,7 +11,8 @@ to the last B - C + 1 entries after every pass (:func:`checks.yardsticks.equal_w
 equal-work yardstick: every query attends at most B keys besides its own, as in the engine), then
 :class:`~rmm.engine.StreamingEngine` under each policy, N equal-length random-token streams side by
 side. Position rules (window) stream in C-token passes here too (they normally take max(C, 1024)-token
-passes, ``rmm.recording.POSITION_RULE_CHUNK``), so every row's pass holds the same tokens.
+passes, ``rmm.recording.POSITION_RULE_CHUNK``), so every row's pass holds the same tokens. The explicit
+attention path takes every row at once, as on a device (on a CPU it works in cache-sized row blocks).
 
 **Per pass.** Each row is counted on streams of B + 4C and B + 8C tokens (after an uncounted warm-up);
 the difference over the difference in forward passes (calls of the model) cancels set-up, the
@@ -359,6 +360,16 @@ def position_rule_passes(chunk: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def device_row_blocks() -> Iterator[None]:
+    """The explicit attention path over every row at once, as off the CPU (on a CPU it splits the batch
+    into cache-sized row blocks, ``rmm.integration.row_blocks``, which a device does not)."""
+    if not hasattr(integration, "CPU_BLOCK_BYTES"):
+        raise RuntimeError("checks/op_count.py patches rmm.integration.CPU_BLOCK_BYTES, which does not exist")
+    with mock.patch.object(integration, "CPU_BLOCK_BYTES", 2**62):
+        yield
+
+
+@contextlib.contextmanager
 def one_thread() -> Iterator[None]:
     """torch on one CPU thread (the counts do not depend on threads; tiny kernels on a shared machine do
     not gain from more)."""
@@ -387,7 +398,7 @@ def count(
         config = {"name": policy, **POLICY_PARAMS.get(policy, {}), **(params or {})}
         policy_class = type(make_policy(config, budget=budget, chunk=chunk))
         run = functools.partial(stream_engine, model, config, budget=budget, chunk=chunk)
-    with position_rule_passes(chunk), one_thread():
+    with position_rule_passes(chunk), device_row_blocks(), one_thread():
         run(tokens["warm-up"])  # one-time caches fill here, not in a counted run
         short, long = (
             tally(functools.partial(run, tokens[key]), model, policy_class) for key in ("short", "long")

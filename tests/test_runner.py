@@ -61,7 +61,8 @@ PROTOCOL_METRICS = {
     "estimator_spearman",
 }
 N_DOCS, MAX_TOKENS, BUDGET, CHUNK = 3, 40, 12, 4
-# each policy with its first case of the reference matrix (sized for its B = 8 at chunks up to 5, so they fit here)
+# each policy with its first case of the reference matrix
+# (sized for its B = 8 at chunks up to 5, so they fit here)
 FIRST_CASES = {name: params for name, params in reversed(CASES)}
 
 
