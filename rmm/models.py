@@ -40,6 +40,7 @@ from transformers import (
 
 from rmm.errors import UnsupportedModelError
 from rmm.files import cache_root, offline_switches
+from rmm.kv_heads import repeat_kv_heads
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,18 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 def load_model(
     cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the model described by the ``model`` config node, ready for inference on ``device``."""
+    """Load the model described by the ``model`` config node, ready for inference on ``device``; with
+    ``repeat_kv`` true (``+model.repeat_kv=true``), with one KV head per query head (rmm/kv_heads.py)."""
+    repeat = cfg.get("repeat_kv", False)
+    if not isinstance(repeat, bool):
+        raise ValueError(f"model.repeat_kv must be true or false, got {repeat!r}")
+    model, tokenizer = _load(cfg, device, dtype)
+    return (repeat_kv_heads(model) if repeat else model), tokenizer
+
+
+def _load(
+    cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     source, path = cfg.get("source"), cfg.get("path")
     if path:
         return _load_pretrained(_local_dir(path), device, dtype, local_files_only=True)

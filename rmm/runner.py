@@ -93,7 +93,7 @@ def _stream(
     metrics = {
         **stream_metrics,
         "n_skipped_short": setup.data_stats.n_skipped_short,
-        "model": cfg.model.name,
+        "model": cfg.model.name + ("_repeat_kv" if cfg.model.get("repeat_kv") else ""),  # as the run name
         "dataset": cfg.dataset.name,
         "seed": cfg.seed,
         "run_name": cfg.run_name,

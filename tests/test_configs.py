@@ -322,3 +322,11 @@ def test_committed_runs_resume_under_the_current_configs(
     assert committed and matched
     if every_job:
         assert matched == committed, sorted(committed - matched)[:3]
+
+
+def test_repeated_kv_heads_enter_the_run_name(compose_cfg: Compose) -> None:
+    """+model.repeat_kv=true (rmm/kv_heads.py) holds G times the entries: its runs never resume another's."""
+    plain = compose_cfg("policy=h2o").run_name
+    assert compose_cfg("policy=h2o", "+model.repeat_kv=false").run_name == plain
+    repeated = compose_cfg("policy=h2o", "+model.repeat_kv=true").run_name
+    assert repeated == plain.replace("smollm2_135m/", "smollm2_135m_repeat_kv/", 1) != plain

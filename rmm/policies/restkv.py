@@ -27,8 +27,9 @@ restkv/restkv_utils.py) in the paper's configuration (``--use_wo --use_ema --alp
 after --pooling adaptive --scale 2000``, window 32, kernel 5, tau 1). That code repeats every KV head to
 its G query heads (``repeat_kv``) before compressing and keeps one selection per query head; it never
 reduces over a group. A per-(layer, KV head) memory holds that exactly only when G = 1, so the variant
-refuses a model with G > 1 (ValueError at the first chunk). With W = ``window``, the chunk's last W
-queries s_1 < ... < s_W (W <= C) and K = B' - W, per (layer, head):
+refuses a model with G > 1 (ValueError at the first chunk); ``+model.repeat_kv=true`` loads a GQA model
+with its KV heads repeated per query head (:mod:`rmm.kv_heads`), which is the official code's memory. With
+W = ``window``, the chunk's last W queries s_1 < ... < s_W (W <= C) and K = B' - W, per (layer, head):
 
     scored: the valid candidates older than the window (j < now - W), sorted by position, n of them;
             the W most recent positions are always kept
@@ -234,8 +235,9 @@ def _check_group(projection: torch.Tensor, head_dim: int) -> None:
         raise ValueError(
             f"policy.variant=official keeps one selection per query head, as the official code does "
             f"(it repeats each KV head to its query heads before compressing); this model has {group} "
-            "query heads per KV head, which a per-(layer, KV head) memory cannot hold: use a model "
-            "without grouped-query attention (G = 1) or policy.variant=harness"
+            "query heads per KV head, which a per-(layer, KV head) memory cannot hold: load it with one "
+            "KV head per query head (+model.repeat_kv=true, as the official code's repeat_kv), use a model "
+            "without grouped-query attention (G = 1), or policy.variant=harness"
         )
 
 

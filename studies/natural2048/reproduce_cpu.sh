@@ -12,7 +12,7 @@ PY=${PY:-.venv/bin/python}
 source studies/sweeps.sh
 OUT=${OUT:-results/cpu}  # another folder for other settings, e.g. OUT=results/cpu8 ... dataset.n_docs=8
 # Order: the cheap references first, the budget-512 rmm lag grid last (the first thing to drop if too slow).
-read -r -a SWEEPS <<<"${SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512 rmm_gradient smoother}"
+read -r -a SWEEPS <<<"${SWEEPS:-full baselines rmm_b128 rmm_b128_freeze rmm_b64 rmm_b256_512 rmm_gradient smoother restkv_official}"
 
 if [ -z "${REPORT_ONLY:-}" ]; then
     run_sweeps reproduce_cpu_ "${SWEEPS[@]}" -- "hydra.sweep.dir=$OUT/runs" "$@"

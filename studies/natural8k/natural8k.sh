@@ -9,7 +9,7 @@ PY=${PY:-.venv/bin/python}
 source studies/sweeps.sh
 OUT=results/cpu/natural8k
 if [ -z "${REPORT_ONLY:-}" ]; then  # REPORT_ONLY=1: only the tables
-    run_sweeps natural8k_cpu_ baselines rmm smoother -- "$@"
+    run_sweeps natural8k_cpu_ baselines rmm smoother restkv_official -- "$@"
     rm -f "$OUT/runs/multirun.yaml"
 fi
 "$PY" -m rmm.analysis.collect "$OUT/runs" --out "$OUT/runs.csv" --table "$OUT/main_table.md"

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 source studies/sweeps.sh
 OUT=results/cpu/regimes
-read -r -a SWEEPS <<<"${SWEEPS:-echo_h2o echo_rmm echo_smoother echo_freeze decoys_h2o decoys_rmm decoys_smoother decoys_freeze gap_h2o gap_rmm gap_smoother gap_freeze echo_baselines2026}"
+read -r -a SWEEPS <<<"${SWEEPS:-echo_h2o echo_rmm echo_smoother echo_freeze decoys_h2o decoys_rmm decoys_smoother decoys_freeze gap_h2o gap_rmm gap_smoother gap_freeze echo_baselines2026 echo_restkv_official}"
 
 if [ -z "${REPORT_ONLY:-}" ]; then
     run_sweeps regimes_cpu_ "${SWEEPS[@]}" -- "$@"
