@@ -121,3 +121,14 @@ def test_per_seed_t_intervals_beside_the_bootstrap(study: Path, tmp_path: Path) 
     assert versus_h2o["t_resolved"].all() and (versus_h2o["t_high"] < 1).all()  # built 1 nat lower per seed
     assert np.allclose(versus_h2o["t_ratio"], versus_h2o["ratio"])  # equal seed sizes: same mean
     assert f"{len(table)} ratio rows" in t_out.read_text()
+
+
+def test_restkv_variants_are_two_arms() -> None:
+    """The official ReST-KV's runs sit beside the harness variant's in the same cells: two arms, never one
+    arm with two runs per seed (runs written before the variant existed are the harness variant's)."""
+    from rmm.analysis.seeds import arm
+
+    assert arm(pd.Series({"policy": "restkv", "policy.variant": "official"})) == "restkv_official"
+    assert arm(pd.Series({"policy": "restkv", "policy.variant": "harness"})) == "restkv"
+    assert arm(pd.Series({"policy": "restkv", "policy.variant": float("nan")})) == "restkv"
+    assert arm(pd.Series({"policy": "expected_attention"})) == "expected_attention"

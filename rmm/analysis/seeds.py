@@ -19,9 +19,14 @@ BASELINES_2026 = ("restkv", "expected_attention")  # at their config defaults
 
 
 def arm(row: pd.Series) -> str | None:
-    """The arm a run (a row of ``rmm.analysis.collect``) belongs to, or None for a run outside the design."""
+    """The arm a run (a row of ``rmm.analysis.collect``) belongs to, or None for a run outside the design.
+
+    restkv's runs are two arms: ``restkv`` (the harness variant, the default; runs written before the
+    variant existed have none) and ``restkv_official`` (``policy.variant=official``)."""
     if row["policy"] == "h2o":
         return "h2o"
+    if row["policy"] == "restkv" and row.get("policy.variant") == "official":
+        return "restkv_official"
     if row["policy"] in BASELINES_2026:
         return row["policy"]
     if row["policy"] == "oracle":

@@ -11,12 +11,14 @@ For each natural-text study and budget, every arm against h2o at the same budget
   resampling depends only on the documents' sizes and the seed), 95 % percentile interval; left out
   where the smoother's own ratio to h2o does not exclude 1 (no resolved gap to take a share of).
 
-Studies: ``results/cpu/runs`` (3 plays x 2048 tokens, B = 64 to 512) and ``results/cpu/natural8k/runs``
-(8 plays x 8192 tokens, B = 256 and 512), both SmolLM2-135M, chunk 16, cache positions. Arms: restkv and
-expected_attention at their config defaults, rmm(correct, accumulate) at each study's registered lag (32,
-the config default, at 2048 tokens; 128 at 8192), and the smoother (oracle ``future_utility``, weight
-correct). A budget without h2o or the smoother is left out. The regime map's cells with these baselines
-are in results/cpu/regimes/cells.md (``make regimes``).
+Studies: ``results/cpu/runs`` (3 plays x 2048 tokens, B = 64 to 512) and ``results/cpu/natural8k/runs`` (8
+plays x 8192 tokens, B = 256 and 512), both SmolLM2-135M, chunk 16, cache positions. Arms: restkv and
+expected_attention at their config defaults, restkv as its authors' code computes it (``restkv_official``:
+``policy.variant=official``, window 16, SmolLM2 with its KV heads repeated per query head, rmm/kv_heads.py),
+rmm(correct, accumulate) at each study's registered lag (32, the config default, at 2048 tokens; 128 at
+8192), and the smoother (oracle ``future_utility``, weight correct). A budget without h2o or the smoother is
+left out. The regime map's cells with these baselines are in results/cpu/regimes/cells.md (``make
+regimes``).
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ STUDIES = {  # study -> (runs root, rmm's registered lag)
     "natural text, 3 plays x 2048 tokens (make reproduce-cpu)": ("results/cpu/runs", 32),
     "natural text, 8 plays x 8192 tokens (make natural8k)": ("results/cpu/natural8k/runs", 128),
 }
-ARMS = ("restkv", "expected_attention", "rmm", "smoother")
+ARMS = ("restkv", "restkv_official", "expected_attention", "rmm", "smoother")
 
 
 def arm(row: pd.Series, lag: int) -> str | None:
     """The arm a run belongs to (h2o, an entry of :data:`ARMS`), or None."""
     policy = row["policy"]
+    if policy == "restkv" and row.get("policy.variant") == "official":
+        return "restkv_official"
     if policy in ("h2o", "restkv", "expected_attention"):
         return policy
     if (
@@ -127,7 +131,10 @@ def markdown(tables: dict[str, list[dict]]) -> str:
         "budget, paired per token, [95 % interval] resampling documents then 256-token blocks; docs: "
         "documents where the arm is better. Share: (NLL h2o - NLL arm) / (NLL h2o - NLL smoother), 0 at h2o, "
         "1 at the smoother, negative below h2o, with the same resampling; given only where the smoother's "
-        "own ratio to h2o excludes 1. `*`: the interval excludes 1 (ratio) or 0 (share).",
+        "own ratio to h2o excludes 1. `*`: the interval excludes 1 (ratio) or 0 (share). restkv: the "
+        "harness variant; restkv_official: its authors' code (policy.variant=official, window 16 = the "
+        "chunk), on SmolLM2 with its KV heads repeated per query head as that code does, so it keeps 3x the "
+        "entries of the other arms at the same B (one selection per query head).",
     ]
     for study, rows in tables.items():
         lines += [

@@ -4,12 +4,13 @@
 
 A *cell* is one setting of the factors (decoys, echo_gap, recall_gap, budget) and, for rmm, the lag. Its
 *arms* are h2o, rmm(correct), rmm(uniform), rmm(correct, freeze), the smoother (oracle future_utility,
-weight correct) and future_mass, and where they ran (the echo family at lag 48's cells) the 2026
-baselines restkv and expected_attention at their defaults. Every comparison is paired on the recall
-code tokens of the same streams and pooled over the generator seeds: the interval resamples seeds, then
-streams within each drawn seed, then blocks of one code within each drawn stream (rmm/analysis/bootstrap.py,
-95 %
-percentile). A comparison is reported only where both arms ran for every seed of the cell.
+weight correct) and future_mass, and where they ran (the echo family at lag 48's cells) the 2026 baselines
+restkv and expected_attention at their defaults, and restkv as its authors' code computes it
+(``restkv_official``: SmolLM2 with its KV heads repeated per query head). Every comparison is paired on the
+recall code tokens of the same streams and pooled over the generator seeds: the interval resamples seeds,
+then streams within each drawn seed, then blocks of one code within each drawn stream
+(rmm/analysis/bootstrap.py, 95 % percentile). A comparison is reported only where both arms ran for every
+seed of the cell.
 
 Writes into ``--out``: ``runs.csv`` (one row per run), ``comparisons.csv`` and ``cells.md`` (per cell:
 rmm(correct)/h2o, rmm(correct)/rmm(uniform), freeze/accumulate as recall-perplexity ratios with intervals
@@ -51,8 +52,19 @@ COMPARISONS = [
     ("expected_attention", "h2o", "expected_attention / h2o"),
     ("rmm_correct", "restkv", "rmm(correct) / restkv"),
     ("rmm_correct", "expected_attention", "rmm(correct) / expected_attention"),
+    ("restkv_official", "h2o", "restkv official / h2o"),
+    ("restkv_official", "restkv", "restkv official / restkv"),
+    ("rmm_correct", "restkv_official", "rmm(correct) / restkv official"),
 ]
-SHARE_ARMS = ["rmm_correct", "rmm_uniform", "rmm_freeze", "future_mass", "restkv", "expected_attention"]
+SHARE_ARMS = [
+    "rmm_correct",
+    "rmm_uniform",
+    "rmm_freeze",
+    "future_mass",
+    "restkv",
+    "expected_attention",
+    "restkv_official",
+]
 LAGGED = {"rmm_correct", "rmm_uniform", "rmm_freeze"}
 PHASE_PANELS = [name for _, _, name in COMPARISONS[:3]]
 
