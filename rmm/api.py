@@ -293,6 +293,8 @@ def stream_metrics(
             dims["n_kv_heads"],
             dims["head_dim"],
             engine.dtype,
+            dims["value_head_dim"],
+            dims["latent_dim"],
         ),
         **({"recurrent_state_bytes": engine.state_bytes} if engine.carried else {}),
         **engine.self_check_metrics(),

@@ -7,7 +7,8 @@ overrides) and classified by :func:`classify`:
 
 * ``exact``: ``full``, ``window`` with B >= n and a multi-chunk ``h2o`` with B >= n give the model's own
   per-token NLL (its forward pass, default attention) within :data:`TOLERANCE`; ``window`` (B = 12) and
-  ``h2o`` (B = 12, C = 4) match :func:`rmm.reference.reference_stream` in both position modes.
+  ``h2o`` (B = 12, C = 4) match :func:`rmm.reference.reference_stream` in both position modes (``h2o``
+  with one set per layer, ``scope=layer``, under multi-head latent attention, whose heads share entries).
 * ``exact (no reference)``: as ``exact``, but the reference cannot run this architecture (it raised).
 * ``refused``: the harness raised :class:`~rmm.errors.UnsupportedModelError` (for some case; the rest
   were exact).
@@ -42,6 +43,7 @@ from rmm.api import evaluate
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.files import atomic_write_text
+from rmm.models import latent_attention
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -104,7 +106,7 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     * the size fields, by the config's own names (``attribute_map``); a multi-head default stays
       multi-head (KV heads = heads); other ``hidden_size*``, ``*vocab*`` and ``*intermediate_size``
       fields capped like the main ones; latent ranks and head dims to 16 (latent attention's query
-      split 8 + 8), rotary dims scaled with the head dim (partial rotary kept);
+      split 8 + 8, its values 8 wide), rotary dims scaled with the head dim (partial rotary kept);
     * mixture of experts: 4 experts, 2 per token, one group;
     * per-layer lists (``layer_types``, NoPE flags, ...) and per-layer mappings (``per_layer_config``)
       rebuilt for 4 layers, keeping every kind the default has (cycled in order of appearance), a
@@ -225,6 +227,8 @@ def _overrides(config: PretrainedConfig) -> dict[str, Any]:
         out["layer_types"] = ["linear_attention", "full_attention"] * (n_layers // 2)
     if {"qk_nope_head_dim", "qk_rope_head_dim"} <= names:  # latent attention: query = nope + rope parts
         out["qk_nope_head_dim"] = out["qk_rope_head_dim"] = SIZES["head_dim"] // 2
+        if "v_head_dim" in names:  # values narrower than keys, as DeepSeek's (128 against 192)
+            out["v_head_dim"] = SIZES["head_dim"] // 2
     return out
 
 
@@ -312,16 +316,27 @@ class _Case:
     chunk: int
     positions: str
     against: str  # "own": the model's forward; "reference": reference_stream
+    scope: str = "head"
 
 
-def cases(n: int = N_TOKENS) -> list[_Case]:
+def cases(n: int = N_TOKENS, scope: str = "head") -> list[_Case]:
+    """The cases of a row; ``scope``: that of the ``h2o`` cases (``layer`` where heads share entries)."""
+    named = "" if scope == "head" else f" scope={scope}"
     own = [
         _Case("full", "full", None, 64, "original", "own"),
         _Case(f"window B={n}", "window", n, 64, "original", "own"),
-        _Case(f"h2o B={n} C={FULL_CHUNK}", "h2o", n, FULL_CHUNK, "original", "own"),
+        _Case(f"h2o B={n} C={FULL_CHUNK}{named}", "h2o", n, FULL_CHUNK, "original", "own", scope),
     ]
     bounded = [
-        _Case(f"{policy} B={BUDGET} C={CHUNK} {positions}", policy, BUDGET, CHUNK, positions, "reference")
+        _Case(
+            f"{policy} B={BUDGET} C={CHUNK} {positions}{named if policy == 'h2o' else ''}",
+            policy,
+            BUDGET,
+            CHUNK,
+            positions,
+            "reference",
+            scope if policy == "h2o" else "head",
+        )
         for positions in ("original", "cache")
         for policy in ("window", "h2o")
     ]
@@ -344,6 +359,7 @@ def engine_nll(model: torch.nn.Module, tokens: torch.Tensor, case: _Case) -> tor
         budget=case.budget,
         chunk=case.chunk,
         positions=case.positions,
+        scope=case.scope,
     )
     return torch.from_numpy(run.tokens["nll"].iloc[1:].to_numpy(dtype="float32"))  # position 0: no NLL
 
@@ -380,7 +396,8 @@ def _classify(model_type: str) -> Row:
     wrong, crashed, refused, no_reference, exact = [], [], [], [], []
     streamed: dict[str, torch.Tensor] = {}
     worst: float | None = None
-    for case in cases(tokens.numel()):
+    shared = latent_attention(model.config.get_text_config())  # heads share each layer's entries
+    for case in cases(tokens.numel(), "layer" if shared else "head"):
         try:
             got = engine_nll(model, tokens, case)
         except UnsupportedModelError as err:
@@ -394,7 +411,11 @@ def _classify(model_type: str) -> Row:
             expected = own
         else:
             spec = ReferenceSpec(
-                policy=case.policy, budget=case.budget, chunk=case.chunk, positions=case.positions
+                policy=case.policy,
+                budget=case.budget,
+                chunk=case.chunk,
+                positions=case.positions,
+                scope=case.scope,
             )
             try:
                 expected = reference_stream(model, tokens, spec)[0]

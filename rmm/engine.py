@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from rmm import integration, selfcheck
 from rmm.errors import UnsupportedModelError
 from rmm.memory import RowView, SlotMemory, record_gradients
-from rmm.models import describe_model
+from rmm.models import describe_model, latent_attention
 from rmm.policies import Observation, Policy, ScorePolicy
 from rmm.policies.select import (
     SCOPES,
@@ -117,11 +117,13 @@ class StreamingEngine:
         check_windows(model, self.windows, policy, scope)
         dims = describe_model(model)
         self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
+        self.value_dim = dims["value_head_dim"]
         # the recording plan, built once: R is the largest per-head capacity under an allocation, and the
         # widest window of a layer the policy leaves alone (layers=global)
         plan = recording_plan(policy, positions, allocation, self.shape[:2])
         self.plan = plan.exempting(self.windows) if layers == "global" and policy.budget is not None else plan
         check_carried(model, self.carried, self.plan, scope)
+        check_latent(model, policy, scope)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         self.allocation, self.layers, self.batch = allocation, layers, batch
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
@@ -221,6 +223,7 @@ class StreamingEngine:
             rows,
             self.attending,
             carried,
+            self.value_dim,
         )
 
     def stream(
@@ -629,6 +632,34 @@ def check_carried(model: PreTrainedModel, carried: list[int], plan: RecordingPla
         raise UnsupportedModelError(
             f"the gradient utility (rmm's weight=gradient) on {name}, whose mixers carry state across "
             "chunks, is not checked against the reference; use another weight"
+        )
+
+
+# what a policy may read (its ``needs``) that multi-head latent attention's own cache does not hold
+PER_HEAD_ENTRIES = frozenset({"keys", "values", "output_projection"})
+
+
+def check_latent(model: PreTrainedModel, policy: Policy, scope: str) -> None:
+    """Refuse what a score-based policy cannot honour under multi-head latent attention, whose own cache
+    keeps one latent per token and layer that every head expands into its own key and value: sets per
+    head (``scope=head``: the latents kept would be the union of the heads' sets, so the budget would bound
+    nothing the model stores), and policies that read the expanded per-head keys or values (the model
+    never stores them, and the reference, which holds the latents, has no rule for them)."""
+    if not isinstance(policy, ScorePolicy) or not latent_attention(model.config.get_text_config()):
+        return
+    name = integration.describe(model)
+    if scope == "head":
+        raise UnsupportedModelError(
+            f"{name} uses multi-head latent attention: its cache keeps one latent per token and layer for "
+            "all heads, so sets chosen per head (scope=head) would keep the union of the heads' sets and "
+            "the budget would not bound what the model stores; use scope=layer or scope=global"
+        )
+    reads = sorted(PER_HEAD_ENTRIES & set(policy.needs))
+    if reads:
+        raise UnsupportedModelError(
+            f"policy {policy.name} reads {', '.join(reads)}, but {name} uses multi-head latent attention, "
+            "whose cache holds a latent per token, not the per-head keys and values transformers expands "
+            "from it (no reference rule reads those); use a policy that reads attention or positions only"
         )
 
 

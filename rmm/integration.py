@@ -147,7 +147,8 @@ def bounded_attention(
     ----------
     query : [N, n_heads, Q, head_dim], rotated by the model at the positions the engine passed; row i is
         the chunk of the memory's i-th stream, which attends over its own slots only.
-    key, value : [N, n_kv_heads, Q, head_dim] for the chunks' tokens.
+    key, value : [N, n_kv_heads, Q, head_dim] and [N, n_kv_heads, Q, value_head_dim] for the chunks'
+        tokens (the two head dimensions differ under multi-head latent attention).
     attention_mask : the model's mask for this layer type (:class:`ModelMask`; None: plain causal).
     kv_memory : the slot memory to use (default: the memory made :func:`active` for this pass).
     sliding_window : the layer's window W: keys W or more positions back are hidden.
@@ -157,7 +158,7 @@ def bounded_attention(
 
     Returns
     -------
-    attn_output : [N, Q, n_heads, head_dim]
+    attn_output : [N, Q, n_heads, value_head_dim]
     """
     memory = kv_memory if kv_memory is not None else (_ACTIVE[-1] if _ACTIVE else None)
     if memory is None:
@@ -183,8 +184,8 @@ def _attend(
     softcap: float | None,
     s_aux: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The batch's attention: query [N, n_heads, Q, D], key and value [N, n_kv_heads, Q, D] over the
-    memory's rows -> [N, n_heads, Q, D]."""
+    """The batch's attention: query [N, n_heads, Q, D], key [N, n_kv_heads, Q, D] and value
+    [N, n_kv_heads, Q, Dv] over the memory's rows -> [N, n_heads, Q, Dv]."""
     kv_memory.enter_layer(layer, visible)
     rows, n_kv, n_q, head_dim = key.shape
     group = query.shape[1] // n_kv
@@ -207,7 +208,7 @@ def _attend(
             )
         else:
             out = _attention_with_sinks(q, sink_query, keys, values, kv_memory, layer, scaling)
-        return out.reshape(rows, n_kv * group, n_q, head_dim)
+        return out.reshape(rows, n_kv * group, n_q, values.shape[-1])
     blocked = kv_memory.blocked_mask(layer)
     hidden = ~kv_memory.allowed_mask(layer) if blocked is None else blocked  # [N, H or 1, Q, S]
     outs = []
@@ -226,12 +227,12 @@ def _attend(
             kv_memory.store_attention(layer, probs.sum(dim=2), part)  # GQA group summed: [n, H, Q, S]
         n = probs.shape[0]  # the group as rows again: values are never broadcast
         out = torch.matmul(probs.to(values.dtype).reshape(n, n_kv, group * n_q, -1), values[part])
-        out = out.view(n, n_kv, group, n_q, head_dim)  # [n, H, G, Q, D]
+        out = out.view(n, n_kv, group, n_q, values.shape[-1])  # [n, H, G, Q, Dv]
         if kv_memory.track_gradient:
             out = kv_memory.track_output(layer, probs, values, out)
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.reshape(rows, n_kv * group, n_q, head_dim)
+    return out.reshape(rows, n_kv * group, n_q, values.shape[-1])
 
 
 # the explicit path on a CPU: rows per computation such that one computation's fp32 probabilities
@@ -315,11 +316,11 @@ def _attention_with_sinks(
     Parameters
     ----------
     q, sink_query : [N, H, G, Q, D], the query as the model rotated it and re-rotated to its cache rank.
-    keys, values : [N, H, S, D].
+    keys, values : [N, H, S, D] and [N, H, S, Dv].
 
     Returns
     -------
-    out : [N, H, G * Q, D]
+    out : [N, H, G * Q, Dv]
     """
     rows, n_kv, group, n_q, head_dim = q.shape
     n_sinks = kv_memory.n_sink_slots
@@ -329,10 +330,10 @@ def _attention_with_sinks(
     sink_logits = torch.matmul(sink_query, sink_keys[:, :, None]).float() * scaling  # [N, H, G, Q, n]
     sink_logits = sink_logits.masked_fill(blocked, float("-inf")).reshape(rows, n_kv, group * n_q, n_sinks)
     other_bias = kv_memory.folded_mask(layer, group, bias=True)  # [N, H or 1, G * Q, S]
-    if _cpu_kernel_with_lse(q):
+    if _cpu_kernel_with_lse(q) and values.shape[-1] == head_dim:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             flat, keys, values, attn_mask=other_bias, scale=scaling
-        )  # out [N, H, G * Q, D], lse [N, H, G * Q] over the non-sink slots (each query sees itself there)
+        )  # out [N, H, G * Q, Dv], lse [N, H, G * Q] over the non-sink slots (each query sees itself there)
         total = torch.logaddexp(lse.float(), torch.logsumexp(sink_logits, dim=-1))  # [N, H, G * Q]
         sink_out = torch.matmul(torch.exp(sink_logits - total[..., None]), values[:, :, :n_sinks].float())
         return (out.float() * torch.exp(lse.float() - total)[..., None] + sink_out).to(values.dtype)
@@ -464,7 +465,7 @@ def layer_windows(model: PreTrainedModel) -> list[int | None]:
 def check_model(model: PreTrainedModel, positions: str) -> None:
     """Refuse, before streaming, a model whose attention the bounded attention would not reproduce.
 
-    Reads the (text) config: ALiBi, bidirectional attention, multi-head latent attention, layers that
+    Reads the (text) config: ALiBi, bidirectional attention, a sparse attention indexer, layers that
     are not attention whose state the model's own cache cannot carry (:func:`carried_layers`), no
     attention layer at all, and length-dependent RoPE under cache positions. Whatever the config does
     not say is found by :mod:`rmm.selfcheck` before the first scored token. Raises
@@ -481,12 +482,11 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
         )
     if getattr(config, "is_causal", True) is False:
         raise UnsupportedModelError(f"{name} attends bidirectionally; the harness streams causal LMs only")
-    if getattr(config, "kv_lora_rank", None) or getattr(config, "qk_rope_head_dim", None):
+    if getattr(config, "index_topk", None):
         raise UnsupportedModelError(
-            f"{name} uses multi-head latent attention "
-            f"(kv_lora_rank={getattr(config, 'kv_lora_rank', None)}): "
-            "its keys and values have other head dimensions than its queries and only part of each key "
-            "is rotated, which the slot memory does not hold; this model is not supported"
+            f"{name} attends, per query, only the {config.index_topk} keys that a learned indexer selects "
+            "from its own cache of indexer keys (sparse attention), which the bounded attention does not "
+            "reproduce; this model is not supported"
         )
     layer_types = list(getattr(config, "layer_types", None) or [])
     other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES - STATELESS_LAYER_TYPES)
@@ -619,6 +619,7 @@ def _check_call(
         )
     layer = getattr(module, "layer_idx", None)
     n_layers, n_kv, head_dim = memory.keys.shape[0], memory.keys.shape[2], memory.keys.shape[-1]
+    value_dim = memory.values.shape[-1]
     if not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise UnsupportedModelError(f"{name} has no layer index in [0, {n_layers}) (layer_idx={layer!r})")
     if query.shape[0] != memory.keys.shape[1] or key.shape[0] != memory.keys.shape[1]:
@@ -631,9 +632,9 @@ def _check_call(
             f"{name} hands attention {key.shape[1]} KV heads and {query.shape[1]} query heads, where the "
             f"config gives {n_kv} KV heads; this model is not supported"
         )
-    dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
-    if dims != {head_dim}:
+    dims = (query.shape[-1], key.shape[-1], value.shape[-1])
+    if dims != (head_dim, head_dim, value_dim):
         raise UnsupportedModelError(
-            f"{name} hands attention query/key/value head dimensions {query.shape[-1]}/{key.shape[-1]}/"
-            f"{value.shape[-1]}, where the config gives {head_dim}; this model is not supported"
+            f"{name} hands attention query/key/value head dimensions {'/'.join(map(str, dims))}, where the "
+            f"config gives {head_dim}/{head_dim}/{value_dim}; this model is not supported"
         )

@@ -105,7 +105,7 @@ class SlotMemory:
     Parameters
     ----------
     plan : which buffers exist (:func:`rmm.recording.recording_plan`).
-    shape : (n_layers, n_kv_heads, head_dim).
+    shape : (n_layers, n_kv_heads, head_dim) of the keys.
     retained : R, slots for entries kept across boundaries (B for position rules, B - C + 1 otherwise, or
         the largest per-head capacity under a non-uniform budget allocation).
     chunk : C, slots for the chunk.
@@ -114,6 +114,7 @@ class SlotMemory:
         or convolutional mixer) holds no entry: its slots stay empty.
     carried : the model's state outside attention (its recurrent and convolutional mixers), whose rows
         follow the memory's; None for a model of attention layers only.
+    value_dim : the values' head dimension (default: the keys'; multi-head latent attention's differ).
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class SlotMemory:
         rows: int = 1,
         attending: Sequence[bool] | None = None,
         carried: RowState | None = None,
+        value_dim: int | None = None,
     ):
         n_layers, n_heads, head_dim = shape
         slots = retained + chunk
@@ -143,7 +145,7 @@ class SlotMemory:
         if self.track_gradient and not self.record_attention:
             raise ValueError("gradient tracking needs attention probabilities: record_attention must be set")
         self.keys = torch.zeros(n_layers, rows, n_heads, slots, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self.values = self.keys.new_zeros(*self.keys.shape[:-1], value_dim or head_dim)
         # ROTATED_AND_RAW: a second, unrotated copy, filled as keys arrive
         self.raw_keys = torch.zeros_like(self.keys) if storage is KeyStorage.ROTATED_AND_RAW else None
         self.key_pos = torch.full((n_layers, rows, n_heads, slots), -1, dtype=torch.long, device=device)
@@ -350,7 +352,8 @@ class SlotMemory:
 
     # ---- attention function (per layer, all rows) ------------------------------------------------
     def attend_keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
-        """Store the chunk's key/value [N, H, Q, D]; return the keys and values to attend [N, H, R + Q, D]."""
+        """Store the chunk's keys [N, H, Q, D] and values [N, H, Q, Dv]; return the keys and values to attend
+        [N, H, R + Q, D or Dv]."""
         end = self.retained + key.shape[2]
         graph_key, graph_value = key, value
         key, value = key.detach(), value.detach()  # slots never hold a graph
@@ -550,7 +553,8 @@ class SlotMemory:
         gather5 = index[..., None].expand(*index.shape, self.keys.shape[-1])
         n = key_pos.shape[-1]
         self.keys[..., : self.retained, :] = torch.gather(self.keys[..., :n, :], 3, gather5)
-        self.values[..., : self.retained, :] = torch.gather(self.values[..., :n, :], 3, gather5)
+        gather_values = index[..., None].expand(*index.shape, self.values.shape[-1])
+        self.values[..., : self.retained, :] = torch.gather(self.values[..., :n, :], 3, gather_values)
         if self.raw_keys is not None:
             self.raw_keys[..., : self.retained, :] = torch.gather(self.raw_keys[..., :n, :], 3, gather5)
         for tensor in self.state.values():

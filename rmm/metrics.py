@@ -123,13 +123,21 @@ def kv_cache_bytes(
     n_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    value_head_dim: int | None = None,
+    latent_dim: int | None = None,
 ) -> dict[str, int]:
     """``kv_cache_bytes``: the past entries each layer holds at most (``entries``, per layer) x kv_heads x
-    head_dim x 2 (K and V) x bytes per element; for a model with windowed layers (``windows``: per layer
-    the past entries its window shows, None for a global layer) also the part of the global and of the
-    windowed layers (``kv_cache_bytes_global``, ``kv_cache_bytes_windowed``)."""
-    per_entry = n_kv_heads * head_dim * 2 * torch.empty(0, dtype=dtype).element_size()
+    (head_dim + ``value_head_dim``, default head_dim: K and V) x bytes per element; for a model with
+    windowed layers (``windows``: per layer the past entries its window shows, None for a global layer)
+    also the part of the global and of the windowed layers (``kv_cache_bytes_global``,
+    ``kv_cache_bytes_windowed``). Under multi-head latent attention (``latent_dim``: what the model's own
+    cache keeps per token and layer) also ``latent_cache_bytes``: the same entries as that cache stores
+    them, one latent each for all heads."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    per_entry = n_kv_heads * (head_dim + (value_head_dim or head_dim)) * size
     out = {"kv_cache_bytes": sum(entries) * per_entry}
+    if latent_dim is not None:
+        out["latent_cache_bytes"] = sum(entries) * latent_dim * size
     if any(w is not None for w in windows):
         windowed = sum(e for e, w in zip(entries, windows, strict=True) if w is not None)
         out["kv_cache_bytes_global"] = (sum(entries) - windowed) * per_entry

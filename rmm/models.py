@@ -140,8 +140,21 @@ def model_config(name: str, revision: str | None = None) -> Mapping[str, Any]:
     return {"source": "hub", "hub_id": name, "revision": revision}
 
 
+def latent_attention(config: PretrainedConfig) -> bool:
+    """Whether a (text) config describes multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Kimi):
+    one latent per token and layer (``kv_lora_rank`` channels and a shared rotated key part of
+    ``qk_rope_head_dim``), expanded into per-head keys and values of other head dimensions."""
+    return bool(getattr(config, "kv_lora_rank", None)) and bool(getattr(config, "qk_nope_head_dim", None))
+
+
 def describe_model(model: PreTrainedModel) -> dict[str, Any]:
-    """Shape facts the engine needs for KV-bytes accounting, read from the model's (text) config.
+    """Shape facts the engine needs for its memory and KV-bytes accounting, read from the (text) config.
+
+    ``n_kv_heads`` and ``head_dim`` are those of the keys the attention function receives, and
+    ``value_head_dim`` of its values. Under multi-head latent attention (:func:`latent_attention`) those
+    are the per-head keys (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``) that the
+    model expands from its latents for every query head, and ``latent_dim`` is what its own cache keeps
+    per token and layer (``kv_lora_rank + qk_rope_head_dim``; None for other models).
 
     Raises :class:`UnsupportedModelError` when the config does not state one number of layers, heads,
     KV heads and head dimension (recurrent models without attention heads; per-layer head dimensions).
@@ -149,11 +162,22 @@ def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     config = model.config.get_text_config()
     try:
         n_heads = config.num_attention_heads
+        if latent_attention(config):
+            n_kv = n_heads
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+            value_dim = config.v_head_dim
+            latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
+        else:
+            n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+            head_dim = value_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+            latent_dim = None
         return {
             "n_layers": config.num_hidden_layers,
             "n_heads": n_heads,
-            "n_kv_heads": getattr(config, "num_key_value_heads", None) or n_heads,
-            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+            "n_kv_heads": n_kv,
+            "head_dim": head_dim,
+            "value_head_dim": value_dim,
+            "latent_dim": latent_dim,
             "max_position_embeddings": getattr(config, "max_position_embeddings", None),
             "model_type": config.model_type,
         }

@@ -15,6 +15,10 @@ In particular it has
   exactly as the model rotated it at its own position. With ``positions=cache`` every retained key is
   re-rotated, every step, from the position the model produced it at to its rank in the cache;
   the query is rotated by the model at rank |R_t|;
+- for a model with multi-head latent attention (DeepSeek-V2/V3, MiniCPM3), the model's own cache as it
+  keeps it: one latent per token and layer, shared by all heads (so one retained set per layer), whose
+  rotated key part (the cache's second tensor) is what ``positions=cache`` re-rotates; the model expands
+  the retained latents into every head's keys and values itself;
 - for a model with recurrent or convolutional mixers (hybrid models), the model's own cache over the
   whole stream (``DynamicCache`` from its config), whose mixers carry their state from token to token
   as the model defines it and whose attention layers hold exactly R_t (:class:`_Carried`); a layer
@@ -95,12 +99,21 @@ class ReferenceSpec:
 
 # ---- model facts and RoPE, from the config ------------------------------------------------------
 def model_shape(model: PreTrainedModel) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) read from the model's (text) config."""
+    """(layers, KV heads, head_dim) read from the model's (text) config: under latent attention the
+    query heads, each with its own expanded key of ``qk_nope_head_dim + qk_rope_head_dim`` channels."""
     config = model.config.get_text_config()
     n_heads = config.num_attention_heads
+    if latent(config):
+        return config.num_hidden_layers, n_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     return config.num_hidden_layers, n_kv, head_dim
+
+
+def latent(config) -> bool:
+    """Whether a (text) config describes multi-head latent attention: its own cache keeps a latent
+    (``kv_lora_rank`` channels) and a rotated key part per token and layer, shared by every head."""
+    return bool(getattr(config, "kv_lora_rank", None)) and bool(getattr(config, "qk_nope_head_dim", None))
 
 
 def layer_frequencies(config) -> list[list[float]]:
@@ -159,6 +172,8 @@ def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
     )
     n_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    if latent(config):  # the rotated part of a latent-attention key
+        head_dim = config.qk_rope_head_dim
     dim = getattr(config, "rotary_dim", None) or int(head_dim * partial)
     inv_freq = [1.0 / theta ** (2 * i / dim) for i in range(dim // 2)]
     if rope_type == "default":
@@ -212,19 +227,22 @@ PAIRING_SHIFT, PAIRING_TOLERANCE = 37, 1e-3
 def layer_rotations(model: PreTrainedModel) -> list[tuple[list[float], str]]:
     """Each layer's RoPE: its frequencies from the config (:func:`layer_frequencies`) and the pairing
     under which they rotate the keys the model produced for 8 tokens at positions 0..7 into those it
-    produces for them at 37..44 (``half`` first; ``none`` for a layer the model does not rotate).
+    produces for them at 37..44 (``half`` first; ``none`` for a layer the model does not rotate); under
+    latent attention, of the cache's rotated key part (its second tensor).
     Raises ValueError when no pairing does: the reference has no RoPE rule for the layer."""
     config = model.config.get_text_config()
     frequencies = layer_frequencies(config)
+    rotated = 1 if latent(config) else 0  # which of the cache's two tensors the model rotates
     tokens = torch.arange(1, 9)[None] % config.vocab_size
     produced = []
     for shift in (0, PAIRING_SHIFT):
         cache = _Carried(model) if _has_mixers(model) else DynamicCache()
         model(tokens, position_ids=torch.arange(8)[None] + shift, cache=cache, use_cache=True)
         if isinstance(cache, _Carried):
-            produced.append({layer: keys[0] for layer, (keys, _) in cache.produced.items()})
+            produced.append({layer: pair[rotated][0] for layer, pair in cache.produced.items()})
         else:
-            produced.append({layer: cached.keys[0] for layer, cached in enumerate(cache.layers)})
+            pairs = [(cached.keys, cached.values) for cached in cache.layers]
+            produced.append({layer: pair[rotated][0] for layer, pair in enumerate(pairs)})
     rotations = []
     for layer, inv_freq in enumerate(frequencies):
         if layer not in produced[0]:  # a recurrent or convolutional mixer: no keys, nothing to rotate
@@ -325,6 +343,12 @@ def _reference_stream(
     rule = RULES[spec.policy]
     n = tokens.numel()
     n_layers, n_kv, _ = model_shape(model)
+    shared = latent(model.config.get_text_config())  # one cache entry per token and layer, for every head
+    if shared and (rule.reads_keys or rule.reads_values):
+        raise ValueError(
+            f"the reference holds a latent-attention model's own cache (one latent per token and layer), "
+            f"not the per-head keys and values that {spec.policy} reads"
+        )
     inv_freq = layer_rotations(model) if spec.positions == "cache" or rule.reads_keys else []
     if spec.allocation != "uniform" and spec.positions != "original":
         raise ValueError("the reference's non-uniform allocations need original positions")
@@ -366,7 +390,7 @@ def _reference_stream(
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
         m = max(len(kept) for per_head in retained for kept in per_head)
         query_pos = t if spec.positions == "original" else m
-        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, [t], carried)
+        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, [t], carried, shared)
         out = model(
             tokens[None, t : t + 1],
             position_ids=torch.tensor([[query_pos]]),
@@ -386,8 +410,9 @@ def _reference_stream(
             )
         for layer in attending:
             for h in range(n_kv):
-                keys[layer][h][t] = produced[layer][0][0, h, -1].clone()
-                values[layer][h][t] = produced[layer][1][0, h, -1].clone()
+                entry = 0 if shared else h  # a latent is every head's
+                keys[layer][h][t] = produced[layer][0][0, entry, -1].clone()
+                values[layer][h][t] = produced[layer][1][0, entry, -1].clone()
         log_probs = torch.log_softmax(out.logits[0, -1].double(), -1)
         if t + 1 < n:
             nll[t] = -log_probs[tokens[t + 1]]
@@ -455,11 +480,14 @@ def _cache(
     inv_freq: list,
     queries: list[int],
     carried: _Carried | None = None,
+    shared: bool = False,
 ):
     """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty, for a pass of
     the queries ``queries`` (original positions). With cache positions every key moves from the position
     the model produced it at to its rank: the query is at m, the largest |R| of any head, and key j at
     m minus the number of entries its head holds at or after j (the usual rank when all heads hold m).
+    ``shared`` (latent attention): the cache holds each layer's one set of latents, for all its heads
+    (ValueError if their sets differ), and the rotated key part, its second tensor, is what moves.
 
     Heads holding different numbers of entries (a non-uniform allocation, a windowed layer) are padded
     with zero keys and values to the longest; :data:`_PASS` tells :func:`_ragged_attention` which
@@ -481,22 +509,36 @@ def _cache(
     for layer, per_head in enumerate(retained):
         if not keys[layer][0]:  # a layer whose attention never ran (a recurrent or convolutional mixer)
             continue
+        if shared and any(kept != per_head[0] for kept in per_head):
+            raise ValueError(
+                f"layer {layer}: a latent-attention cache holds one set for all heads, but the heads' "
+                "retained sets differ (scope=head)"
+            )
         layer_keys, layer_values = [], []
-        for h, kept in enumerate(per_head):
-            zero = torch.zeros_like(next(iter(keys[layer][h].values())))
-            pad = [zero] * (longest - len(kept))
-            head_keys = torch.stack([keys[layer][h][j] for j in kept] + pad)
+        for h, kept in enumerate(per_head[:1] if shared else per_head):
+            pad = longest - len(kept)
+            head_keys = _stacked(keys[layer][h], kept, pad)
+            head_values = _stacked(values[layer][h], kept, pad)
             if positions == "cache" and kept:  # key j moves to its rank
                 ranks = [longest - (len(kept) - i) for i in range(len(kept))]
-                shift = [r - made_at[j] for r, j in zip(ranks, kept, strict=True)] + [0.0] * len(pad)
-                head_keys = rope_rotate(head_keys, shift, *inv_freq[layer])
+                shift = [r - made_at[j] for r, j in zip(ranks, kept, strict=True)] + [0.0] * pad
+                if shared:
+                    head_values = rope_rotate(head_values, shift, *inv_freq[layer])
+                else:
+                    head_keys = rope_rotate(head_keys, shift, *inv_freq[layer])
             layer_keys.append(head_keys)
-            layer_values.append(torch.stack([values[layer][h][j] for j in kept] + pad))
+            layer_values.append(head_values)
         if carried is None:
             cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
         else:
             carried.held[layer] = torch.stack(layer_keys)[None], torch.stack(layer_values)[None]
     return cache
+
+
+def _stacked(entries: dict, kept: list[int], pad: int) -> torch.Tensor:
+    """The vectors ``entries[j]`` of the positions ``kept``, then ``pad`` zeros: [len(kept) + pad, D]."""
+    zero = torch.zeros_like(next(iter(entries.values())))
+    return torch.stack([entries[j] for j in kept] + [zero] * pad)
 
 
 def _has_mixers(model: PreTrainedModel) -> bool:
@@ -606,7 +648,9 @@ def gradient_utility(
     inv_freq = (rotations or layer_rotations(model)) if spec.positions == "cache" else []
     m = max(len(kept) for per_head in retained for kept in per_head)
     first = start if spec.positions == "original" else m
-    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, list(range(start, stop)))
+    shared = latent(model.config.get_text_config())
+    queries = list(range(start, stop))
+    cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, queries, shared=shared)
     longest = max(len(kept) for per_head in retained for kept in per_head)
     scored = range(start, min(stop, tokens.numel() - 1))
     utilities = [[{s: {} for s in range(start, stop)} for _ in range(n_kv)] for _ in range(n_layers)]
@@ -1272,6 +1316,7 @@ class Rule:
     protected : the always-kept recent positions as the rule counts them (the pyramid's minimum).
     reduce : how the scores of heads or layers that share one set combine.
     reads_keys : the rule reads keys rotated back (the RoPE frequencies are needed).
+    reads_values : the rule reads values.
     reads_future : the rule reads the reference pass (the oracle).
     params : the policy's own parameters and their defaults (read as ``spec.<name>``).
     """
@@ -1282,6 +1327,7 @@ class Rule:
     protected: Callable[[ReferenceSpec, int], int] = _none
     reduce: Callable[[ReferenceSpec, list[float]], float] = _fsum
     reads_keys: bool = False
+    reads_values: bool = False
     reads_future: bool = False
     params: dict[str, object] = field(default_factory=dict)
 
@@ -1328,17 +1374,20 @@ RULES: dict[str, Rule] = {
         score=_lagkv,
         protected=lambda spec, capacity: 2 * spec.partition - 1,
         reads_keys=True,
+        reads_values=True,
         params={"partition": 32, "sinks": 4, "variant": "harness"},
     ),
     "restkv": Rule(
         score=_restkv,
         protected=lambda spec, capacity: spec.window if spec.variant == "official" else 0,
+        reads_values=True,
         params={"beta": 0.8, "kernel": 5, "variant": "harness", "window": 32, "alpha": 0.3, "scale": 2000},
     ),
     "expected_attention": Rule(
         score=_expected_attention,
         observe=_expected_attention_observe,
         reads_keys=True,
+        reads_values=True,
         params={
             "n_future_positions": 512,
             "use_covariance": True,

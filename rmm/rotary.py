@@ -2,8 +2,11 @@
 
 RoPE rotates every frequency pair of a head vector by ``position * inv_freq[i]``. Two pairings exist:
 ``half`` (channels i and i + rot_dim / 2: Llama, Mistral, Qwen2, SmolLM, GPT-NeoX, Gemma) and
-``interleaved`` (channels 2i and 2i + 1: Cohere, GLM, DeepSeek, Llama 4). Channels past ``rot_dim``
-(partial rotary) are left as they are, and a layer without positions (NoPE) is not rotated at all.
+``interleaved`` (channels 2i and 2i + 1: Cohere, GLM, DeepSeek, Llama 4). The rotated channels are the
+first ``rot_dim`` of a head vector, or its last (``offset`` = head_dim - rot_dim: multi-head latent
+attention, whose keys are an unrotated part expanded from the latent followed by the rotated part shared
+by all heads); the others (partial rotary) are left as they are, and a layer without positions (NoPE) is
+not rotated at all.
 Rotations compose, so a key rotated at ``p`` and then by ``delta`` is the key at ``p + delta``, and
 rotating by ``-p`` recovers the unrotated (pre-RoPE) key.
 
@@ -15,7 +18,8 @@ keeps a precomputed sin/cos table instead (GPT-J's and CodeGen's ``embed_positio
 (:func:`table_frequencies`); an additive sinusoidal position table outside a rotary module (CTRL's
 ``pos_encoding``) is no rotation. :meth:`Rotary.calibrate` then checks every layer against the model's
 own rotation (keys the model produced at positions p and p + delta) and picks, per layer, the
-candidate the model actually uses (any frequency buffer, either pairing, or none: GPT-J and CodeGen
+candidate the model actually uses (any frequency buffer, either pairing, first or last channels, or none:
+GPT-J and CodeGen
 rotate the interleaved pairs of their first ``rotary_dim`` channels); a layer that no candidate
 reproduces is refused (:mod:`rmm.selfcheck` runs it before a stream).
 """
@@ -40,11 +44,14 @@ Table = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Rotation:
-    """One way of rotating a head vector: ``inv_freq`` [rot_dim / 2] (empty: no rotation) and pairing."""
+    """One way of rotating a head vector: ``inv_freq`` [rot_dim / 2] (empty: no rotation), pairing, and
+    ``offset``, the first rotated channel (the channels before it and past ``offset + rot_dim`` are left
+    as they are)."""
 
     name: str
     inv_freq: torch.Tensor
     interleaved: bool = False
+    offset: int = 0
 
     @property
     def rot_dim(self) -> int:
@@ -54,14 +61,21 @@ class Rotation:
         """Rotate ``x`` [..., P, head_dim] by angles with cos, sin [..., P, rot_dim / 2]."""
         if not self.rot_dim:
             return x
-        xf, rot = x.to(torch.promote_types(x.dtype, torch.float32)), self.rot_dim  # fp32, or fp64
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32, or fp64
+        start, stop = self.offset, self.offset + self.rot_dim
+        head, part, rest = xf[..., :start], xf[..., start:stop], xf[..., stop:]
         if self.interleaved:
-            x1, x2 = xf[..., 0:rot:2], xf[..., 1:rot:2]
-            pairs = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-            return torch.cat([pairs, xf[..., rot:]], dim=-1).to(x.dtype)
-        half = rot // 2
-        x1, x2, rest = xf[..., :half], xf[..., half:rot], xf[..., rot:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+            x1, x2 = part[..., 0::2], part[..., 1::2]
+            rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        else:
+            x1, x2 = part.chunk(2, dim=-1)
+            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return torch.cat([head, rotated, rest], dim=-1).to(x.dtype)
+
+    def placed(self, offset: int) -> Rotation:
+        """The same rotation of the channels from ``offset`` on."""
+        suffix = f"/from {offset}" if offset else ""
+        return Rotation(f"{self.name}{suffix}", self.inv_freq, self.interleaved, offset)
 
 
 class Rotary:
@@ -78,6 +92,11 @@ class Rotary:
         # the model's rotary sin/cos tables cover, past which its own forward fails (None: frequencies,
         # which cover every position)
         self.candidates, defaults, self.max_positions = _candidates(model, n_layers)
+        # multi-head latent attention: a key is qk_nope_head_dim unrotated channels, then the rotated ones
+        unrotated = getattr(model.config.get_text_config(), "qk_nope_head_dim", None)
+        if unrotated:
+            placed = {id(r): r.placed(unrotated) for r in defaults}
+            defaults = [placed[id(r)] for r in defaults]
         self.layers: list[Rotation] = defaults or [_NONE] * n_layers  # the rotation of each layer
 
     @property
@@ -108,11 +127,9 @@ class Rotary:
         return self.apply(x, self.table(delta), layer)
 
     def to(self, device: torch.device) -> Rotary:
-        moved = {id(r): Rotation(r.name, r.inv_freq.to(device), r.interleaved) for r in self.candidates}
+        moved = {id(r): _moved(r, device) for r in self.candidates + self.layers}
         self.candidates = [moved[id(r)] for r in self.candidates]
-        self.layers = [
-            moved.get(id(r)) or Rotation(r.name, r.inv_freq.to(device), r.interleaved) for r in self.layers
-        ]
+        self.layers = [moved[id(r)] for r in self.layers]
         return self
 
     def calibrate(
@@ -127,12 +144,15 @@ class Rotary:
         :class:`UnsupportedModelError` when no candidate reproduces a layer.
         """
         found: dict[int, tuple[str, float]] = {}
-        every = self._all()  # one object per rotation, so that layers sharing one share its tables
+        every: dict[int, list[Rotation]] = {}  # per head dimension: one object per rotation, shared tables
         for layer, x0 in before.items():
-            options = [self.layers[layer]] + [r for r in every if r is not self.layers[layer]]
+            width = x0.shape[-1]
+            if width not in every:
+                every[width] = self._all(width)
+            options = [self.layers[layer]] + [r for r in every[width] if r is not self.layers[layer]]
             errors = []
             for rotation in options:
-                if rotation.rot_dim > x0.shape[-1]:
+                if rotation.offset + rotation.rot_dim > width:
                     continue
                 error = _error(rotation, x0, after[layer], delta)
                 errors.append((error, rotation))
@@ -155,8 +175,9 @@ class Rotary:
         """Relative error of ``layer``'s rotation by ``delta`` of ``before`` against ``after`` [..., P, D]."""
         return _error(self.layers[layer], before, after, delta)
 
-    def _all(self) -> list[Rotation]:
-        """Every candidate: each frequency buffer in both pairings and both directions, and no rotation."""
+    def _all(self, width: int) -> list[Rotation]:
+        """Every candidate for head vectors of ``width`` channels: each frequency buffer in both pairings
+        and both directions, on the first channels and then on the last, and no rotation."""
         out = []
         for r in self.candidates:
             out += [r, Rotation(f"{r.name}/interleaved", r.inv_freq, True)]
@@ -165,10 +186,15 @@ class Rotary:
                 Rotation(f"{r.name}/reversed", -r.inv_freq),
                 Rotation(f"{r.name}/interleaved/reversed", -r.inv_freq, True),
             ]
-        return out + [_NONE]
+        last = [r.placed(width - r.rot_dim) for r in out if 0 < r.rot_dim < width]
+        return out + last + [_NONE]
 
 
 _NONE = Rotation("none", torch.zeros(0))
+
+
+def _moved(rotation: Rotation, device: torch.device) -> Rotation:
+    return Rotation(rotation.name, rotation.inv_freq.to(device), rotation.interleaved, rotation.offset)
 
 
 def _error(rotation: Rotation, before: torch.Tensor, after: torch.Tensor, delta: int) -> float:

@@ -37,7 +37,10 @@ from rmm.rotary import Rotary, table_frequencies
 
 TYPES = causal_lm_types()
 # the architectures the harness is documented to support: the matrix must find them exact
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2")
+SUPPORTED = (
+    "llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2",
+    "deepseek_v2", "deepseek_v3",
+)  # fmt: skip
 
 
 def test_the_types_come_from_the_registry():
@@ -48,11 +51,11 @@ def test_the_types_come_from_the_registry():
 # one type per attention family, in the fast suite (`make test`); the whole registry is slow (about 130 s
 # single-threaded; `make test-all`): rotate_half RoPE with GQA, partial rotary, sliding and global layers,
 # soft-capping, k-norm, a sin/cos table with interleaved pairing, interleaved inv_freq, NoPE layers, learned
-# absolute positions, sinks, MoE; hybrid recurrent (gated delta rule) and convolutional mixers; and the
-# refused: no attention switch, latent attention
+# absolute positions, sinks, MoE; hybrid recurrent (gated delta rule) and convolutional mixers; multi-head
+# latent attention (rotated last channels, half and interleaved pairing); and the refused: no attention switch
 FAMILIES = (
     "llama", "gpt_neox", "gemma3_text", "gemma2", "qwen3", "gptj", "cohere", "smollm3", "gpt2", "gpt_oss",
-    "mixtral", "falcon", "deepseek_v3", "qwen3_next", "lfm2",
+    "mixtral", "falcon", "deepseek_v2", "deepseek_v3", "qwen3_next", "lfm2",
 )  # fmt: skip
 
 

@@ -196,10 +196,10 @@ def test_unknown_attention_keywords_refused(kwargs, message):
 
 def test_refused_before_any_forward(tokens, monkeypatch: pytest.MonkeyPatch):
     model = tiny_model("llama")
-    model.config.kv_lora_rank = 8  # multi-head latent attention, as DeepSeek's configs say
+    model.config.index_topk = 8  # a sparse attention indexer, as DeepSeek-V3.2's configs say
     calls = []
     monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
-    with pytest.raises(UnsupportedModelError, match="latent attention"):
+    with pytest.raises(UnsupportedModelError, match="learned indexer"):
         engine(model, "h2o").stream(tokens)
     assert not calls
 

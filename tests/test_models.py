@@ -131,6 +131,8 @@ def test_local_loads_identical(tiny_model: tuple[Path, torch.nn.Module, object])
         "n_heads": 4,
         "n_kv_heads": 2,
         "head_dim": 16,
+        "value_head_dim": 16,
+        "latent_dim": None,
         "max_position_embeddings": 512,
         "model_type": reference.config.model_type,
     }
@@ -322,6 +324,8 @@ def test_gguf_embedded_default_caches(monkeypatch: pytest.MonkeyPatch, tmp_path:
         "n_heads": 9,
         "n_kv_heads": 3,
         "head_dim": 64,
+        "value_head_dim": 64,
+        "latent_dim": None,
         "max_position_embeddings": 8192,
         "model_type": "llama",
     }
@@ -368,6 +372,8 @@ def test_gguf_assembled_gemma3_loads_offline(monkeypatch: pytest.MonkeyPatch, tm
         "n_heads": 4,
         "n_kv_heads": 1,
         "head_dim": 256,
+        "value_head_dim": 256,
+        "latent_dim": None,
         "max_position_embeddings": 32768,
         "model_type": "gemma3_text",
     }
