@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from rmm import integration, selfcheck
 from rmm.errors import UnsupportedModelError
@@ -123,7 +123,7 @@ class StreamingEngine:
         plan = recording_plan(policy, positions, allocation, self.shape[:2])
         self.plan = plan.exempting(self.windows) if layers == "global" and policy.budget is not None else plan
         check_carried(model, self.carried, self.plan, scope)
-        check_latent(model, policy, scope)
+        check_latent(model.config.get_text_config(), integration.describe(model), policy, scope)
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         self.allocation, self.layers, self.batch = allocation, layers, batch
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
@@ -639,15 +639,15 @@ def check_carried(model: PreTrainedModel, carried: list[int], plan: RecordingPla
 PER_HEAD_ENTRIES = frozenset({"keys", "values", "output_projection"})
 
 
-def check_latent(model: PreTrainedModel, policy: Policy, scope: str) -> None:
-    """Refuse what a score-based policy cannot honour under multi-head latent attention, whose own cache
-    keeps one latent per token and layer that every head expands into its own key and value: sets per
-    head (``scope=head``: the latents kept would be the union of the heads' sets, so the budget would bound
-    nothing the model stores), and policies that read the expanded per-head keys or values (the model
-    never stores them, and the reference, which holds the latents, has no rule for them)."""
-    if not isinstance(policy, ScorePolicy) or not latent_attention(model.config.get_text_config()):
+def check_latent(config: PretrainedConfig, name: str, policy: Policy, scope: str) -> None:
+    """Refuse what a score-based policy cannot honour under multi-head latent attention (a model ``name``
+    of text config ``config``), whose own cache keeps one latent per token and layer that every head
+    expands into its own key and value: sets per head (``scope=head``: the latents kept would be the union
+    of the heads' sets, so the budget would bound nothing the model stores), and policies that read the
+    expanded per-head keys or values (the model never stores them, and the reference, which holds the
+    latents, has no rule for them). Needs the config only: the runner calls it before the weights load."""
+    if not isinstance(policy, ScorePolicy) or not latent_attention(config):
         return
-    name = integration.describe(model)
     if scope == "head":
         raise UnsupportedModelError(
             f"{name} uses multi-head latent attention: its cache keeps one latent per token and layer for "

@@ -140,6 +140,21 @@ def model_config(name: str, revision: str | None = None) -> Mapping[str, Any]:
     return {"source": "hub", "hub_id": name, "revision": revision}
 
 
+def peek_config(cfg: Mapping[str, Any]) -> PretrainedConfig | None:
+    """The (text) config of the ``model`` config node read from its config.json alone, before any weight
+    loads: a local folder, or a hub model in the local Hugging Face cache; None where that needs more (a
+    GGUF package, a hub model not cached, a config that does not read)."""
+    source = cfg.get("path") or (cfg.get("hub_id") if cfg.get("source") == "hub" else None)
+    if not source:
+        return None
+    source = Path(source).expanduser() if cfg.get("path") else source
+    try:
+        config = AutoConfig.from_pretrained(source, revision=cfg.get("revision"), local_files_only=True)
+    except Exception:  # not readable without the hub or the weights: the checks run once the model loads
+        return None
+    return config.get_text_config()
+
+
 def latent_attention(config: PretrainedConfig) -> bool:
     """Whether a (text) config describes multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Kimi):
     one latent per token and layer (``kv_lora_rank`` channels and a shared rotated key part of

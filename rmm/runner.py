@@ -16,9 +16,10 @@ from transformers import PreTrainedModel
 
 from rmm import api, provenance, sharing
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
+from rmm.engine import check_latent
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
-from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
+from rmm.models import describe_model, load_model, peek_config, resolve_device, resolve_dtype
 from rmm.policies import Policy, ScorePolicy, make_policy
 from rmm.policies.select import SCOPES
 from rmm.recording import POSITIONS
@@ -152,6 +153,9 @@ def build(cfg: DictConfig, reference_cache: sharing.ReferenceCache | None = None
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
+    config = peek_config(cfg.model)  # what its config.json alone refuses, before the weights load
+    if config is not None:
+        check_latent(config, f"{cfg.model.name} ({config.model_type})", policy, cfg.scope)
     model, tokenizer = load_model(cfg.model, device, dtype)
     dims = describe_model(model)
     docs, data_stats = load_documents(dataset, tokenizer)

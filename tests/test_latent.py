@@ -15,13 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import record_max
+from hydra import compose, initialize_config_dir
 from transformers import PreTrainedModel
 
-from rmm import evaluate
+from rmm import evaluate, runner
 from rmm.architectures import own_nll
 from rmm.architectures import tiny_model as registry_model
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
+from rmm.files import config_dir
 from rmm.lookahead import record_future
 from rmm.matrix import sampled_stream, set_recorder
 from rmm.policies import make_policy
@@ -157,3 +159,16 @@ def test_memory_report_gives_the_harness_bytes_and_the_latent_cache(models):
         registry_model("llama"), token_ids=[torch.arange(1, 20)], policy="h2o", budget=8, chunk=4
     )
     assert "latent_cache_bytes" not in plain.metrics
+
+
+def test_a_saved_latent_model_is_refused_before_its_weights_load(models, tmp_path, monkeypatch):
+    """``run.py`` reads a local (or cached hub) model's config.json before loading it: scope=head with a
+    score-based policy is refused without the weights."""
+    models["deepseek_v3"].config.save_pretrained(tmp_path)  # config.json only: no weights to load
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    overrides = ["model=local", f"model.path={tmp_path}", "policy=h2o", "device=cpu", "wandb.mode=disabled"]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    with pytest.raises(UnsupportedModelError, match=r"\(deepseek_v3\) uses multi-head latent attention"):
+        runner.build(cfg)
+    assert runner.peek_config({"name": "smollm2_135m", "source": "gguf_package"}) is None
