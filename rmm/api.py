@@ -120,10 +120,7 @@ def evaluate(
     else:
         policy = make_policy({"name": policy, **policy_params}, budget=budget, chunk=chunk)
     longest = max(doc.tokens.numel() for doc in docs)
-    reference = None
-    if policy.needs_reference:
-        context = reference_context(describe_model(model)["max_position_embeddings"], oracle_context, longest)
-        reference = ReferenceRunner(model, oracle_tau, context)
+    reference = reference_pass(model, policy, longest, oracle_tau, oracle_context)
     # the engine switches the model's attention for each pass only, and restores it after
     metrics, tokens = stream_run(
         model,
@@ -179,16 +176,47 @@ def stream_run(
     estimator: bool = False,
     on_chunk: ChunkHookFactory | None = None,
 ) -> tuple[dict[str, Any], pd.DataFrame]:
-    """The one setup of a run, shared by :func:`evaluate` and ``python run.py`` (rmm/runner.py): build the
-    engine, check it on the model with the longest document (before any scored token), stream every
-    document (:func:`stream_documents`) while sampling peak memory, and measure.
+    """A run of :func:`evaluate` and ``python run.py`` (rmm/runner.py): build the engine and run it
+    (:func:`run_engine`)."""
+    engine = StreamingEngine(
+        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers, batch=batch
+    )
+    return run_engine(engine, docs, reference, estimator=estimator, on_chunk=on_chunk)
+
+
+def reference_pass(
+    model: PreTrainedModel,
+    policy: Policy,
+    longest: int,
+    oracle_tau: float = 0.02,
+    oracle_context: int | None = None,
+    max_context: int | None = None,
+) -> ReferenceRunner | None:
+    """The look-ahead pass of a policy that needs one (the oracles; else None) over documents of at most
+    ``longest`` tokens: ``oracle_context`` tokens (None: the whole document), refused beyond
+    ``max_context`` (None: the model's ``max_position_embeddings``)."""
+    if not policy.needs_reference:
+        return None
+    limit = describe_model(model)["max_position_embeddings"] if max_context is None else max_context
+    return ReferenceRunner(model, oracle_tau, reference_context(limit, oracle_context, longest))
+
+
+def run_engine(
+    engine: StreamingEngine,
+    docs: Sequence[Document],
+    reference: ReferenceRunner | None = None,
+    *,
+    estimator: bool = False,
+    on_chunk: ChunkHookFactory | None = None,
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """The one setup of a run, shared by :func:`evaluate`, ``python run.py`` and lm-eval's model
+    (rmm/lm_eval.py): check the engine on its model with the longest document (before any scored token),
+    stream every document (:func:`stream_documents`) while sampling peak memory, and measure.
 
     Returns the stream metrics (:func:`stream_metrics`) and the per-token frame (one row per token of
     every document, in the documents' order).
     """
-    engine = StreamingEngine(
-        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers, batch=batch
-    )
+    model = engine.model
     longest = max(docs, key=lambda doc: doc.tokens.numel()).tokens
     engine.self_check(longest)
     memory = PeakMemory(engine.device)

@@ -29,10 +29,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from rmm.api import stream_documents
+from rmm.api import reference_pass, run_engine
 from rmm.data import Document
 from rmm.engine import StreamingEngine
-from rmm.lookahead import ReferenceRunner, reference_context
 from rmm.models import describe_model, load_model, model_config, resolve_device, resolve_dtype
 from rmm.policies import make_policy
 
@@ -208,31 +207,29 @@ class RmmLM(TemplateLM):
 
     def _stream(self, sequences: list[list[int]], disable_tqdm: bool = False):
         """Yield (nll [n - 1], correct [n - 1]) of each sequence, each one stream from an empty memory,
-        ``batch`` streams side by side per forward pass.
-
-        The engine checks itself once, on the longest sequence, before the first scored token; the
-        oracle policies get their reference pass (:func:`rmm.api.stream_documents` runs both)."""
+        ``batch`` streams side by side per forward pass, through the run's one setup
+        (:func:`rmm.api.run_engine`: the self-check on the longest sequence before the first scored token,
+        then the stream) with the oracles' reference pass (:func:`rmm.api.reference_pass`)."""
         if not sequences:
             return
         tokens = [torch.tensor(sequence, dtype=torch.long) for sequence in sequences]
-        longest = max(tokens, key=lambda t: t.numel())
-        if longest.numel() < 2:
+        longest = max(t.numel() for t in tokens)
+        if longest < 2:
             raise ValueError("every request needs 2 tokens or more to score a prediction")
-        self.engine.self_check(longest)
-        reference = None
-        if self.policy.needs_reference:
-            context = reference_context(self.model_context, self.oracle_context, longest.numel())
-            reference = ReferenceRunner(self.model, self.oracle_tau, context)
+        reference = reference_pass(
+            self.model, self.policy, longest, self.oracle_tau, self.oracle_context, self.model_context
+        )
         progress = tqdm(total=len(tokens), disable=disable_tqdm or len(tokens) < 2, desc="rmm streams")
         docs = [Document(f"request-{i}", ids, {}) for i, ids in enumerate(tokens)]
-        totals = stream_documents(
+        _, frame = run_engine(
             self.engine, docs, reference, on_chunk=lambda totals, doc: _counter(progress, doc)
         )
         progress.close()
-        for ids, frame in zip(tokens, totals.token_frames, strict=True):
-            frame = frame.iloc[1:]  # row p: x_p predicted by query p - 1 (p = 0: none)
-            self.streamed_tokens += ids.numel()
-            yield frame["nll"].to_numpy(dtype="float64"), frame["correct"].to_numpy(dtype=bool)
+        frames = dict(list(frame.groupby("doc_id", sort=False)))
+        for doc in docs:
+            rows = frames[doc.doc_id].iloc[1:]  # row p: x_p predicted by query p - 1 (p = 0: none)
+            self.streamed_tokens += doc.tokens.numel()
+            yield rows["nll"].to_numpy(dtype="float64"), rows["correct"].to_numpy(dtype=bool)
 
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval writes into its results' ``config``: the memory's settings and the self-check."""
