@@ -24,10 +24,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-POSITIONS = ("original", "cache")
-SCOPES = ("head", "layer", "global")
-ALLOCATIONS = ("uniform", "adaptive", "pyramid")  # as rmm.policies.select.ALLOCATIONS
-LAYERS = ("all", "global")  # as rmm.engine.LAYERS
+from rmm.options import StreamOptions
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -57,21 +55,9 @@ def _positive_int(value: Any, key: str, nullable: bool = False) -> None:
 def check_config(cfg: Mapping[str, Any]) -> None:
     """Validate the options of a composed run config that need no heavy import; raises ValueError naming
     the key and the fix."""
-    if cfg["positions"] not in POSITIONS:
-        raise ValueError(f"positions must be one of {POSITIONS}, got {cfg['positions']!r}")
-    if cfg["scope"] not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {cfg['scope']!r}")
-    allocation = cfg.get("allocation", "uniform")
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
-    layers = cfg.get("layers", "all")
-    if layers not in LAYERS:
-        raise ValueError(f"layers must be one of {LAYERS}, got {layers!r}")
-    if layers == "global" and allocation != "uniform":
-        raise ValueError(f"layers=global needs allocation=uniform, got allocation={allocation}")
+    StreamOptions.from_config(cfg)  # positions, scope, allocation, layers, batch
     _positive_int(cfg["budget"], "budget", nullable=True)
     _positive_int(cfg["chunk"], "chunk")
-    _positive_int(cfg.get("batch", 1), "batch")
     if cfg["budget"] is not None and cfg["chunk"] > cfg["budget"]:
         raise ValueError(
             f"chunk ({cfg['chunk']}) must not exceed budget ({cfg['budget']}); set chunk<={cfg['budget']}"

@@ -12,10 +12,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rmm.options import POSITIONS
 from rmm.policies import Policy, PositionRule, ScorePolicy
 from rmm.policies.select import retained_slots
-
-POSITIONS = ("original", "cache")  # as rmm.config.POSITIONS, which checks configs without torch
 
 # Position rules decide per query, so their results do not depend on how many tokens one forward pass
 # takes; without recorded attention they stream in chunks of at least this many tokens (the decision

@@ -15,14 +15,13 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from rmm import api, provenance, sharing
+from rmm.config import check_config
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
-from rmm.engine import check_latent
+from rmm.engine import check_latent, check_layer_shapes
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
 from rmm.models import describe_model, load_model, peek_config, resolve_device, resolve_dtype
 from rmm.policies import Policy, ScorePolicy, make_policy
-from rmm.policies.select import SCOPES
-from rmm.recording import POSITIONS
 from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
@@ -52,7 +51,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.resume and run_is_complete(run_dir):
         return _resume(run_dir, config)
-    _check_options(cfg)
+    check_config(cfg)  # as run.py does: a call from Python fails as early
     if OmegaConf.select(cfg, "provenance.require_clean", default=False):
         code.require_clean()  # a registered study's run: refused from a dirty tree, before the model loads
     device = resolve_device(cfg.device)
@@ -155,7 +154,9 @@ def build(cfg: DictConfig, reference_cache: sharing.ReferenceCache | None = None
     torch.manual_seed(cfg.seed)
     config = peek_config(cfg.model)  # what its config.json alone refuses, before the weights load
     if config is not None:
-        check_latent(config, f"{cfg.model.name} ({config.model_type})", policy, cfg.scope)
+        name = f"{cfg.model.name} ({config.model_type})"
+        check_latent(config, name, policy, cfg.scope)
+        check_layer_shapes(config, name, policy, cfg.allocation)
     model, tokenizer = load_model(cfg.model, device, dtype)
     dims = describe_model(model)
     docs, data_stats = load_documents(dataset, tokenizer)
@@ -255,12 +256,3 @@ ADDED_KEY_DEFAULTS: dict[str, object] = {
     "policy.variant": "harness",  # kvpress-named policies: the press's own score (kvpress), or the harness's
     "policy.step": 16,  # rmm lag=auto's unit of candidate lags (a fixed lag ignores it)
 }
-
-
-def _check_options(cfg: DictConfig) -> None:
-    if cfg.positions not in POSITIONS:
-        raise ValueError(f"positions must be one of {POSITIONS}, got {cfg.positions!r}")
-    if cfg.scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {cfg.scope!r}")
-    if cfg.oracle.tau <= 0:
-        raise ValueError(f"oracle.tau must be > 0, got {cfg.oracle.tau}")

@@ -17,8 +17,8 @@ from hydra.utils import get_class
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf
 
-from rmm.config import POSITIONS, SCOPES
 from rmm.data import STREAM_MODES
+from rmm.options import POSITIONS, SCOPES
 from rmm.policies import POLICIES, make_policy
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

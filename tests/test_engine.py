@@ -7,10 +7,10 @@ import torch
 from conftest import STREAM_LENGTH, record_max
 from omegaconf import OmegaConf
 
-from rmm.config import POSITIONS
 from rmm.engine import StreamingEngine
 from rmm.lookahead import RequestRecorder, record_future
 from rmm.matrix import distinct_stream
+from rmm.options import POSITIONS
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
 from rmm.rotary import Rotary

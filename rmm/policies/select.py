@@ -18,10 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from rmm.options import ALLOCATIONS, SCOPES  # noqa: F401  (SCOPES: imported from here until the engine takes StreamOptions)
 from rmm.policies.base import Policy, ScorePolicy
-
-SCOPES = ("head", "layer", "global")  # as rmm.config.SCOPES, which checks configs without torch
-ALLOCATIONS = ("uniform", "adaptive", "pyramid")  # as rmm.config.ALLOCATIONS
 
 
 def select(
