@@ -323,6 +323,7 @@ def stream_metrics(
             engine.dtype,
             dims["value_head_dim"],
             dims["latent_dim"],
+            engine.layer_shapes,
         ),
         **({"recurrent_state_bytes": engine.state_bytes} if engine.carried else {}),
         **engine.self_check_metrics(),

@@ -65,6 +65,7 @@ FULL_CHUNK = 16  # the multi-chunk h2o with B >= n
 TOLERANCE = 1e-4  # max |dNLL| per token
 INITIALIZER_RANGE = 0.1  # peaked attention, so that eviction changes the NLL
 TIMEOUT_S = 120
+MAX_PERIOD = 8  # the most layers a tiny model takes to keep its default's layer-type pattern
 STATUSES = ("exact", "exact (no reference)", "refused", "skipped", "WRONG", "CRASH")
 PASSING = ("exact", "exact (no reference)", "refused", "skipped")
 
@@ -155,6 +156,9 @@ def _overrides(config: PretrainedConfig) -> dict[str, Any]:
     n_heads, hidden = _get(config, "num_attention_heads"), _get(config, "hidden_size")
     head_dim = _get(config, "head_dim") or (hidden // n_heads if hidden and n_heads else None)
     n_layers = SIZES["num_hidden_layers"]
+    period = _period(config)
+    if period is not None:  # per-layer shapes: one period of the default's layer types, in its order
+        n_layers = out[aliases.get("num_hidden_layers", "num_hidden_layers")] = period
     raw = config.to_dict()
     # init fields, and the per-layer mappings that configs take as keywords (``per_layer_config``)
     per_layer_keys = {k for k, v in raw.items() if "layer" in k and isinstance(v, dict) and k not in names}
@@ -211,13 +215,15 @@ def _overrides(config: PretrainedConfig) -> dict[str, Any]:
             and n_default != n_layers
             and len(value) == n_default
         ):
-            out[key] = _per_layer(list(value), n_layers)
+            out[key] = list(value)[:n_layers] if period else _per_layer(list(value), n_layers)
         elif isinstance(raw.get(key), dict) and "layer" in key and n_default and raw[key]:
             value = raw[key]  # the plain mapping (the attribute may be a per-layer view)
             if all(_layer_index(k, n_default) for k in value):  # {layer index: setting}
-                per_layer = [value.get(i, value.get(str(i))) for i in range(n_default)]
+                by_index = {int(k): v for k, v in value.items()}  # keys as written: 5, "5" or "05"
+                per_layer = [by_index.get(i) for i in range(n_default)]
                 per_layer = [_scaled_entries(v, config, out) for v in per_layer]
-                out[key] = {i: v for i, v in enumerate(_per_layer(per_layer, n_layers)) if v is not None}
+                per_layer = per_layer[:n_layers] if period else _per_layer(per_layer, n_layers)
+                out[key] = {i: v for i, v in enumerate(per_layer) if v is not None}
     for key in ("attn_layer_indices", "full_attn_idxs"):  # hybrid: attention in every other layer
         if key in names:  # (Bamba's default has none, LFM2's attends in every layer)
             out[key] = list(range(1, n_layers, 2))
@@ -230,6 +236,17 @@ def _overrides(config: PretrainedConfig) -> dict[str, Any]:
         if "v_head_dim" in names:  # values narrower than keys, as DeepSeek's (128 against 192)
             out["v_head_dim"] = SIZES["head_dim"] // 2
     return out
+
+
+def _period(config: PretrainedConfig) -> int | None:
+    """The period of a heterogeneous config's ``layer_types`` (layers of their own shapes: Gemma 4's five
+    sliding layers, then a full one), when longer than the tiny models' layers and at most
+    :data:`MAX_PERIOD`; None otherwise (the kinds are cycled instead)."""
+    kinds = _get(config, "layer_types")
+    if not getattr(config, "is_heterogeneous", False) or not kinds:
+        return None
+    period = next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+    return period if SIZES["num_hidden_layers"] < period <= MAX_PERIOD else None
 
 
 def _scaled_entries(entry: Any, config: PretrainedConfig, out: dict[str, Any]) -> Any:

@@ -19,7 +19,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from rmm import integration, selfcheck
 from rmm.errors import UnsupportedModelError
 from rmm.memory import RowView, SlotMemory, record_gradients
-from rmm.models import describe_model, latent_attention
+from rmm.models import describe_model, kv_shared_layers, latent_attention, layer_shapes
 from rmm.policies import Observation, Policy, ScorePolicy
 from rmm.policies.select import (
     SCOPES,
@@ -124,6 +124,9 @@ class StreamingEngine:
         self.plan = plan.exempting(self.windows) if layers == "global" and policy.budget is not None else plan
         check_carried(model, self.carried, self.plan, scope)
         check_latent(model.config.get_text_config(), integration.describe(model), policy, scope)
+        check_layer_shapes(model.config.get_text_config(), integration.describe(model), policy, allocation)
+        # per layer: (KV heads, key and value head dimensions) of its own, within the memory's widest
+        self.layer_shapes = layer_shapes(model.config.get_text_config())
         self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
         self.allocation, self.layers, self.batch = allocation, layers, batch
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
@@ -224,6 +227,7 @@ class StreamingEngine:
             self.attending,
             carried,
             self.value_dim,
+            self.layer_shapes,
         )
 
     def stream(
@@ -660,6 +664,47 @@ def check_latent(config: PretrainedConfig, name: str, policy: Policy, scope: str
             f"policy {policy.name} reads {', '.join(reads)}, but {name} uses multi-head latent attention, "
             "whose cache holds a latent per token, not the per-head keys and values transformers expands "
             "from it (no reference rule reads those); use a policy that reads attention or positions only"
+        )
+
+
+# what a policy may read that the memory holds padded to the widest layer under per-layer shapes
+PADDED_ENTRIES = frozenset({"keys", "values", "queries", "output_projection", "gradient"})
+
+
+def check_layer_shapes(config: PretrainedConfig, name: str, policy: Policy, allocation: str) -> None:
+    """Refuse what a score-based policy cannot honour on a model ``name`` (text config ``config``) whose
+    layers differ in shape or share keys and values. KV sharing (:func:`~rmm.models.kv_shared_layers`):
+    the model stores a shared layer's keys once, but the slot memory holds a copy per layer that reads
+    them, which a score-based policy would evict on its own (position rules keep the same positions in
+    every copy). Per-layer shapes (:func:`~rmm.models.layer_shapes`): the memory holds every layer at
+    the widest layer's KV heads and head dimension, zero-padded, so policies that read keys, values,
+    queries, W_o or gradients (no reference rule checks them there) are refused, and so is
+    ``allocation=adaptive`` where the layers' KV heads differ (its room per layer counts every head).
+    Needs the config only: the runner calls it before the weights load."""
+    if not isinstance(policy, ScorePolicy):
+        return
+    shared = kv_shared_layers(config)
+    if shared:
+        raise UnsupportedModelError(
+            f"{name} shares keys and values across layers (layers {shared[0]}-{shared[-1]} reuse an earlier "
+            "layer's, KV sharing): the model stores them once, but the slot memory holds a copy per reading "
+            f"layer, which policy {policy.name} would evict on its own; use a position rule (full, window, "
+            "streaming_llm), which keeps the same positions in every copy"
+        )
+    shapes = layer_shapes(config)
+    if shapes is None:
+        return
+    reads = sorted(PADDED_ENTRIES & set(policy.needs))
+    if reads:
+        raise UnsupportedModelError(
+            f"policy {policy.name} reads {', '.join(reads)}, but {name} has per-layer head shapes, which the "
+            "slot memory holds zero-padded to the widest layer (no reference rule reads them there); use a "
+            "policy that reads attention or positions only"
+        )
+    if allocation == "adaptive" and len({shape[0] for shape in shapes}) > 1:
+        raise UnsupportedModelError(
+            f"{name} has layers with different numbers of KV heads, but allocation=adaptive gives each layer "
+            "room for every head the memory holds; use allocation=uniform or pyramid"
         )
 
 

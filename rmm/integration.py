@@ -120,6 +120,17 @@ class ModelMask:
 
     mask_function: Callable
 
+    def __getitem__(self, index: object) -> ModelMask:
+        """A model may slice its mask to the queries it keeps (Gemma 4, before its KV-shared layers, to
+        ``logits_to_keep``); a slice that keeps every query is the same mask, any other is refused."""
+        whole = slice(None), slice(0, None)
+        if not all(part in whole for part in (index if isinstance(index, tuple) else (index,))):
+            raise UnsupportedModelError(
+                f"the model slices its attention mask ({index!r}) to fewer queries than the pass has, which "
+                "the bounded attention cannot follow; this model is not supported"
+            )
+        return self
+
 
 def model_mask(*, mask_function: Callable = causal_mask_function, **kwargs) -> ModelMask:
     """transformers' mask interface for the bounded attention: hand the mask function over as it is."""
@@ -185,14 +196,21 @@ def _attend(
     s_aux: torch.Tensor | None,
 ) -> torch.Tensor:
     """The batch's attention: query [N, n_heads, Q, D], key [N, n_kv_heads, Q, D] and value
-    [N, n_kv_heads, Q, Dv] over the memory's rows -> [N, n_heads, Q, Dv]."""
+    [N, n_kv_heads, Q, Dv] over the memory's rows -> [N, n_heads, Q, Dv]. A layer narrower than the
+    memory (per-layer shapes) is zero-padded to its head dimensions and attends over its own heads."""
     kv_memory.enter_layer(layer, visible)
     rows, n_kv, n_q, head_dim = key.shape
     group = query.shape[1] // n_kv
     q = query.reshape(rows, n_kv, group, n_q, head_dim)  # [N, H, G, Q, D]
     if kv_memory.capture is not None:
         kv_memory.capture(layer, q, key)
+    value_dim, heads, width = value.shape[-1], kv_memory.keys.shape[2], kv_memory.keys.shape[-1]
+    if (n_kv, head_dim, value_dim) != (heads, width, kv_memory.values.shape[-1]):
+        q = F.pad(q, (0, width - head_dim))
+        key = F.pad(key, (0, width - head_dim, 0, 0, 0, heads - n_kv))
+        value = F.pad(value, (0, kv_memory.values.shape[-1] - value_dim, 0, 0, 0, heads - n_kv))
     keys, values = kv_memory.attend_keys_values(layer, key, value)  # [N, H, S, D] each
+    keys, values = keys[:, :n_kv], values[:, :n_kv]
     sink_query = kv_memory.sink_query(layer, q)  # [N, H, G, Q, D] or None (cache positions, sinks)
     if kv_memory.record_queries:
         kv_memory.store_queries(layer, q)
@@ -200,7 +218,7 @@ def _attend(
     if attention_path(kv_memory, softcap, s_aux) == "fused":
         if sink_query is None:  # the group folded into the rows: keys and values are never repeated
             out = F.scaled_dot_product_attention(
-                q.reshape(rows, n_kv, group * n_q, head_dim),
+                q.reshape(rows, n_kv, group * n_q, q.shape[-1]),
                 keys,
                 values,
                 attn_mask=kv_memory.folded_mask(layer, group),
@@ -208,7 +226,7 @@ def _attend(
             )
         else:
             out = _attention_with_sinks(q, sink_query, keys, values, kv_memory, layer, scaling)
-        return out.reshape(rows, n_kv * group, n_q, values.shape[-1])
+        return out.reshape(rows, n_kv * group, n_q, values.shape[-1])[..., :value_dim]
     blocked = kv_memory.blocked_mask(layer)
     hidden = ~kv_memory.allowed_mask(layer) if blocked is None else blocked  # [N, H or 1, Q, S]
     outs = []
@@ -232,7 +250,7 @@ def _attend(
             out = kv_memory.track_output(layer, probs, values, out)
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.reshape(rows, n_kv * group, n_q, values.shape[-1])
+    return out.reshape(rows, n_kv * group, n_q, values.shape[-1])[..., :value_dim]
 
 
 # the explicit path on a CPU: rows per computation such that one computation's fp32 probabilities
@@ -618,10 +636,10 @@ def _check_call(
             "transformers' mask interface, so the bounded attention cannot tell what it hides"
         )
     layer = getattr(module, "layer_idx", None)
-    n_layers, n_kv, head_dim = memory.keys.shape[0], memory.keys.shape[2], memory.keys.shape[-1]
-    value_dim = memory.values.shape[-1]
+    n_layers = memory.keys.shape[0]
     if not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise UnsupportedModelError(f"{name} has no layer index in [0, {n_layers}) (layer_idx={layer!r})")
+    n_kv, head_dim, value_dim = memory.layer_shapes[layer]
     if query.shape[0] != memory.keys.shape[1] or key.shape[0] != memory.keys.shape[1]:
         raise UnsupportedModelError(
             f"{name} hands attention a batch of {query.shape[0]} rows for {memory.keys.shape[1]} streams: "

@@ -115,6 +115,10 @@ class SlotMemory:
     carried : the model's state outside attention (its recurrent and convolutional mixers), whose rows
         follow the memory's; None for a model of attention layers only.
     value_dim : the values' head dimension (default: the keys'; multi-head latent attention's differ).
+    layer_shapes : per layer, its own (KV heads, key head dimension, value head dimension), where layers
+        differ (Gemma 4); ``shape`` and ``value_dim`` are then the widest, and a layer's keys, values and
+        queries are held zero-padded to them (a zero channel adds nothing to a logit or an output), its
+        heads past its own hold no entry. None: every layer has ``shape``'s.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class SlotMemory:
         attending: Sequence[bool] | None = None,
         carried: RowState | None = None,
         value_dim: int | None = None,
+        layer_shapes: Sequence[tuple[int, int, int]] | None = None,
     ):
         n_layers, n_heads, head_dim = shape
         slots = retained + chunk
@@ -137,8 +142,14 @@ class SlotMemory:
         self.rotary, self.device = rotary, device
         self.carried = carried
         attending = [True] * n_layers if attending is None else list(attending)
-        # layers that never attend, whose slots stay empty (None: every layer attends)
-        self._silent = None if all(attending) else torch.tensor([not a for a in attending], device=device)
+        own = [(n_heads, head_dim, value_dim or head_dim)] * n_layers
+        self.layer_shapes = own if layer_shapes is None else list(layer_shapes)
+        # (layer, KV head) pairs whose slots stay empty [L, 1, H, 1]: a layer that never attends, a head past
+        # the layer's own (None: every pair holds entries)
+        shapes = zip(self.layer_shapes, attending, strict=True)
+        heads = torch.tensor([h if a else 0 for (h, _, _), a in shapes])
+        empty = (torch.arange(n_heads)[None, :] >= heads[:, None]).to(device)
+        self._empty = empty[:, None, :, None] if bool(empty.any()) else None
         self.storage = storage = KeyStorage.of(plan)
         self.record_attention = plan.record_attention
         self.track_gradient = plan.track_gradient
@@ -302,8 +313,8 @@ class SlotMemory:
         chunk_pos = query_pos if self._pad is None else query_pos.masked_fill(self._pad, -1)
         self.key_pos[..., self.retained :] = -1
         self.key_pos[..., self.retained : end] = chunk_pos[:, None, :]
-        if self._silent is not None:  # a layer that does not attend holds nothing
-            self.key_pos[self._silent] = -1
+        if self._empty is not None:  # a layer that does not attend, a head past its layer's, holds nothing
+            self.key_pos.masked_fill_(self._empty, -1)
         for tensor in self.state.values():
             tensor[..., self.retained :] = 0
         key_pos = self.key_pos[..., :end]
@@ -411,11 +422,15 @@ class SlotMemory:
         return bias.masked_fill_(~other, float("-inf"))
 
     def _layer_mask(self, layer: int, which: int, full: torch.Tensor | None) -> torch.Tensor | None:
+        """The layer's mask [N, H or 1, Q, S] over its own KV heads."""
         if layer in self._layer_masks:
-            return self._layer_masks[layer][which]
-        if full is None:
+            mask = self._layer_masks[layer][which]
+        elif full is None:
             return None
-        return full[0] if full.shape[0] == 1 else full[layer]
+        else:
+            mask = full[0] if full.shape[0] == 1 else full[layer]
+        heads = self.layer_shapes[layer][0]
+        return mask[:, :heads] if mask is not None and mask.shape[1] > heads else mask
 
     def allowed_mask(self, layer: int) -> torch.Tensor:
         """bool [N, H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
@@ -453,8 +468,10 @@ class SlotMemory:
         return self.rotary.apply(query, self._sink_table, layer)
 
     def store_attention(self, layer: int, probs: torch.Tensor, rows: slice = slice(None)) -> None:
-        """Attention probabilities [n, H, Q, R + Q] of the chunk's queries of ``rows``, GQA group summed."""
-        self.attn[layer, rows, :, : probs.shape[2], : probs.shape[3]] = probs.detach()
+        """Attention probabilities [n, H_l, Q, R + Q] of the chunk's queries of ``rows`` over the layer's own
+        H_l KV heads, GQA group summed."""
+        n_heads, n_q, n_slots = probs.shape[1:]
+        self.attn[layer, rows, :n_heads, :n_q, :n_slots] = probs.detach()
 
     def track_output(
         self, layer: int, probs: torch.Tensor, values: torch.Tensor, output: torch.Tensor
@@ -512,9 +529,11 @@ class SlotMemory:
             counts = counts.expand(self.keys.shape[0], -1, -1, -1).clone()
             for layer, (allowed, *_) in self._layer_masks.items():
                 counts[layer] = (_visible(allowed) - 1).expand_as(counts[layer])
-        if self._silent is not None and counts.shape[0] > 1:  # the average over the layers that attend
-            counts = counts[~self._silent]
-        per_query = counts.mean(dim=(0, 2))  # [N, Q]
+        if self._empty is not None and counts.shape[0] > 1:  # the average over the pairs that hold entries
+            counts = counts.expand(-1, -1, self.keys.shape[2], -1).transpose(1, 2)  # [L, H, N, Q]
+            per_query = counts[~self._empty[:, 0, :, 0]].mean(dim=0)  # [N, Q]
+        else:
+            per_query = counts.mean(dim=(0, 2))  # [N, Q]
         if self._pad is not None:
             per_query = per_query.masked_fill(self._pad, 0)
         self.totals[:, 0] += per_query.sum(dim=-1)

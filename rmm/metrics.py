@@ -125,6 +125,7 @@ def kv_cache_bytes(
     dtype: torch.dtype,
     value_head_dim: int | None = None,
     latent_dim: int | None = None,
+    layer_shapes: Sequence[tuple[int, int, int]] | None = None,
 ) -> dict[str, int]:
     """``kv_cache_bytes``: the past entries each layer holds at most (``entries``, per layer) x kv_heads x
     (head_dim + ``value_head_dim``, default head_dim: K and V) x bytes per element; for a model with
@@ -132,16 +133,18 @@ def kv_cache_bytes(
     also the part of the global and of the windowed layers (``kv_cache_bytes_global``,
     ``kv_cache_bytes_windowed``). Under multi-head latent attention (``latent_dim``: what the model's own
     cache keeps per token and layer) also ``latent_cache_bytes``: the same entries as that cache stores
-    them, one latent each for all heads."""
+    them, one latent each for all heads. ``layer_shapes``: per layer its own (KV heads, key and value head
+    dimensions), where layers differ (Gemma 4); each layer's entries are counted at its own shape."""
     size = torch.empty(0, dtype=dtype).element_size()
-    per_entry = n_kv_heads * (head_dim + (value_head_dim or head_dim)) * size
-    out = {"kv_cache_bytes": sum(entries) * per_entry}
+    shapes = layer_shapes or [(n_kv_heads, head_dim, value_head_dim or head_dim)] * len(entries)
+    layer_bytes = [e * h * (d + dv) * size for e, (h, d, dv) in zip(entries, shapes, strict=True)]
+    out = {"kv_cache_bytes": sum(layer_bytes)}
     if latent_dim is not None:
         out["latent_cache_bytes"] = sum(entries) * latent_dim * size
     if any(w is not None for w in windows):
-        windowed = sum(e for e, w in zip(entries, windows, strict=True) if w is not None)
-        out["kv_cache_bytes_global"] = (sum(entries) - windowed) * per_entry
-        out["kv_cache_bytes_windowed"] = windowed * per_entry
+        windowed = sum(b for b, w in zip(layer_bytes, windows, strict=True) if w is not None)
+        out["kv_cache_bytes_global"] = sum(layer_bytes) - windowed
+        out["kv_cache_bytes_windowed"] = windowed
     return out
 
 

@@ -162,6 +162,30 @@ def latent_attention(config: PretrainedConfig) -> bool:
     return bool(getattr(config, "kv_lora_rank", None)) and bool(getattr(config, "qk_nope_head_dim", None))
 
 
+def layer_shapes(config: PretrainedConfig) -> list[tuple[int, int, int]] | None:
+    """Each layer's (KV heads, key head dimension, value head dimension) where a heterogeneous (text)
+    config keeps them per layer (``per_layer_config``: Gemma 4's full-attention layers have wider heads
+    and, with ``attention_k_eq_v``, fewer KV heads); None when every layer has the config's one shape."""
+    if not getattr(config, "is_heterogeneous", False):
+        return None
+    if not {"head_dim", "num_key_value_heads"} & set(config.per_layer_attributes or ()):
+        return None
+    shapes = []
+    for layer in config.per_layer_config:
+        n_kv = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
+        head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+        shapes.append((int(n_kv), int(head_dim), int(head_dim)))
+    return shapes
+
+
+def kv_shared_layers(config: PretrainedConfig) -> list[int]:
+    """The layers that attend over another layer's keys and values instead of their own (KV sharing:
+    ``kv_sharing_modes`` "reuse", Gemma 3n and Gemma 4's last ``num_kv_shared_layers``); [] for none."""
+    if not getattr(config, "num_kv_shared_layers", 0):
+        return []
+    return [i for i, mode in enumerate(getattr(config, "kv_sharing_modes", None) or []) if mode == "reuse"]
+
+
 def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     """Shape facts the engine needs for its memory and KV-bytes accounting, read from the (text) config.
 
@@ -171,13 +195,22 @@ def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     model expands from its latents for every query head, and ``latent_dim`` is what its own cache keeps
     per token and layer (``kv_lora_rank + qk_rope_head_dim``; None for other models).
 
+    Where the config keeps shapes per layer (:func:`layer_shapes`) they are the widest layer's, which the
+    slot memory holds every layer in.
+
     Raises :class:`UnsupportedModelError` when the config does not state one number of layers, heads,
-    KV heads and head dimension (recurrent models without attention heads; per-layer head dimensions).
+    KV heads and head dimension (recurrent models without attention heads).
     """
     config = model.config.get_text_config()
     try:
         n_heads = config.num_attention_heads
-        if latent_attention(config):
+        per_layer = layer_shapes(config)
+        if per_layer is not None:
+            n_kv = max(shape[0] for shape in per_layer)
+            head_dim = max(shape[1] for shape in per_layer)
+            value_dim = max(shape[2] for shape in per_layer)
+            latent_dim = None
+        elif latent_attention(config):
             n_kv = n_heads
             head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
             value_dim = config.v_head_dim

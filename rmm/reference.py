@@ -110,6 +110,16 @@ def model_shape(model: PreTrainedModel) -> tuple[int, int, int]:
     return config.num_hidden_layers, n_kv, head_dim
 
 
+def layer_heads(model: PreTrainedModel) -> list[int]:
+    """Each layer's KV heads: the config's one number, or each layer's own where the config keeps them
+    per layer (``per_layer_config``: Gemma 4)."""
+    config = model.config.get_text_config()
+    if getattr(config, "is_heterogeneous", False):
+        layers = config.per_layer_config
+        return [getattr(c, "num_key_value_heads", None) or c.num_attention_heads for c in layers]
+    return [model_shape(model)[1]] * config.num_hidden_layers
+
+
 def latent(config) -> bool:
     """Whether a (text) config describes multi-head latent attention: its own cache keeps a latent
     (``kv_lora_rank`` channels) and a rotated key part per token and layer, shared by every head."""
@@ -122,6 +132,8 @@ def layer_frequencies(config) -> list[list[float]]:
     layer_types = getattr(config, "layer_types", None) or []
     params = getattr(config, "rope_parameters", None) or {}
     if layer_types and all(kind in params for kind in layer_types):
+        if getattr(config, "is_heterogeneous", False):  # each layer's own head dimension
+            return [rope_frequencies(config.per_layer_config[i], kind) for i, kind in enumerate(layer_types)]
         return [rope_frequencies(config, kind) for kind in layer_types]
     return [rope_frequencies(config)] * config.num_hidden_layers
 
@@ -159,7 +171,9 @@ def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
     ``layer_type`` where the config keeps them per layer type).
 
     Supports the rope types of the shipped models: ``default``, ``linear`` and ``llama3``, with partial
-    rotary (``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``, GPT-J's and CodeGen's ``rotary_dim``).
+    rotary (``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``, GPT-J's and CodeGen's ``rotary_dim``),
+    and Gemma 4's ``proportional``: the first ``partial_rotary_factor`` of the pairs at the frequencies of
+    the whole head dimension, the others not rotated (frequency 0).
     """
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     if layer_type is not None:
@@ -176,6 +190,10 @@ def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
         head_dim = config.qk_rope_head_dim
     dim = getattr(config, "rotary_dim", None) or int(head_dim * partial)
     inv_freq = [1.0 / theta ** (2 * i / dim) for i in range(dim // 2)]
+    if rope_type == "proportional":
+        angles = int(partial * head_dim // 2)
+        rotated = [1.0 / theta ** (2 * i / head_dim) / params.get("factor", 1.0) for i in range(angles)]
+        return rotated + [0.0] * (head_dim // 2 - angles)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -289,14 +307,17 @@ def reference_pass(model: PreTrainedModel, tokens: torch.Tensor, context: int | 
     Full causal attention (one plain eager forward pass), or with ``context`` = W, attention over the
     W previous positions: this decoder under ``window`` with budget W.
     """
-    n_layers, n_kv, _ = model_shape(model)
+    heads = layer_heads(model)
+    n_layers, n_kv = len(heads), max(heads)
     n = tokens.numel()
     if context is None or context >= n - 1:
         previous = model.config._attn_implementation
         model.set_attn_implementation("eager")
         out = model(tokens[None], output_attentions=True, use_cache=False)
         model.set_attn_implementation(previous)
-        attention = torch.stack([a[0].double().view(n_kv, -1, n, n).sum(1) for a in out.attentions])
+        attention = torch.zeros(n_layers, n_kv, n, n, dtype=torch.float64)  # a layer's own heads first
+        for layer, a in enumerate(out.attentions):
+            attention[layer, : heads[layer]] = a[0].double().view(heads[layer], -1, n, n).sum(1)
         log_probs = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
         nll = -log_probs.gather(-1, tokens[1:, None])[:, 0]
         correct = log_probs.argmax(dim=-1) == tokens[1:]
@@ -306,7 +327,7 @@ def reference_pass(model: PreTrainedModel, tokens: torch.Tensor, context: int | 
         attention = torch.zeros(n_layers, n_kv, n, n, dtype=torch.float64)
         for s, per_layer in enumerate(spec.attention_log):
             for layer in range(n_layers):
-                for h in range(n_kv):
+                for h in range(heads[layer]):
                     for j, a in per_layer[layer][h].items():
                         attention[layer, h, s, j] = a
     no_target = torch.zeros(1, dtype=torch.float64)
@@ -342,7 +363,8 @@ def _reference_stream(
         raise ValueError(f"reference has no rule for policy {spec.policy!r}")
     rule = RULES[spec.policy]
     n = tokens.numel()
-    n_layers, n_kv, _ = model_shape(model)
+    heads = layer_heads(model)  # each layer's KV heads
+    n_layers = len(heads)
     shared = latent(model.config.get_text_config())  # one cache entry per token and layer, for every head
     if shared and (rule.reads_keys or rule.reads_values):
         raise ValueError(
@@ -357,10 +379,10 @@ def _reference_stream(
     AttentionMaskInterface.register(RAGGED_ATTENTION, _model_mask)
     model.set_attn_implementation(RAGGED_ATTENTION)
     _MASKS.clear()
-    retained = [[[] for _ in range(n_kv)] for _ in range(n_layers)]  # R_t, sorted position lists
+    retained = [[[] for _ in range(h)] for h in heads]  # R_t, sorted position lists
 
     def per_head() -> list:
-        return [[{} for _ in range(n_kv)] for _ in range(n_layers)]
+        return [[{} for _ in range(h)] for h in heads]
 
     # what the rules read: the record of the stream so far
     record = {
@@ -409,7 +431,7 @@ def _reference_stream(
                 f"{len(out.attentions)} attention maps for the {len(attending)} layers that attended"
             )
         for layer in attending:
-            for h in range(n_kv):
+            for h in range(heads[layer]):
                 entry = 0 if shared else h  # a latent is every head's
                 keys[layer][h][t] = produced[layer][0][0, entry, -1].clone()
                 values[layer][h][t] = produced[layer][1][0, entry, -1].clone()
@@ -421,13 +443,13 @@ def _reference_stream(
         else:  # the document's last query has no target
             weight = {"correct": 0.0, "prob": 0.0}
         record["weights"].append(weight | {"uniform": 1.0})
-        step_attention = [[{} for _ in range(n_kv)] for _ in range(n_layers)]  # a mixer sees nothing
+        step_attention = per_head()  # a mixer sees nothing
         for layer, maps in zip(attending, out.attentions, strict=True):
-            heads = maps[0, :, 0].double()  # [n_heads, m + 1]
-            group = heads.shape[0] // n_kv
+            probs = maps[0, :, 0].double()  # [n_heads, m + 1]
+            group = probs.shape[0] // heads[layer]
             rows = []
-            for h in range(n_kv):
-                summed = heads[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
+            for h in range(heads[layer]):
+                summed = probs[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
                 summed = summed[: len(retained[layer][h])] + summed[-1:]  # without a ragged head's padding
                 seen = dict(zip(retained[layer][h] + [t], summed, strict=True))
                 shown = sees(layer, t, list(seen))  # the layer's own window
@@ -445,7 +467,7 @@ def _reference_stream(
         if record_attention:
             spec.attention_log.append(step_attention)
         for layer in attending:
-            for h in range(n_kv):
+            for h in range(heads[layer]):
                 retained[layer][h].append(t)
         now = t + 1
         if now == n:
@@ -456,7 +478,7 @@ def _reference_stream(
         for layer in range(n_layers):
             # a score rule never keeps what the layer's window hides from now on; nor does an exempt layer
             if rule.visible is None or record["exempt"][layer]:
-                for h in range(n_kv):
+                for h in range(heads[layer]):
                     kept = retained[layer][h]
                     shown = sees(layer, now, kept)
                     retained[layer][h] = [j for j, visible in zip(kept, shown, strict=True) if visible]
@@ -464,7 +486,7 @@ def _reference_stream(
             for layer in range(n_layers):
                 if record["exempt"][layer]:
                     continue
-                for h in range(n_kv):
+                for h in range(heads[layer]):
                     retained[layer][h] = [j for j in retained[layer][h] if rule.visible(spec, now, j)]
         elif now % spec.chunk == 0:
             _decide(spec, retained, now, record)
@@ -686,7 +708,7 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, record: dict) -> None
     """At boundary ``now``: keep B' = B - C + 1 of the candidates (R plus the chunk), in place; under a
     non-uniform ``allocation`` the capacity of each (layer, head) of docs/semantics.md. Every policy's
     scores come from its rule in :data:`RULES`; the highest are kept, ties to the more recent position."""
-    n_layers, n_kv = len(retained), len(retained[0])
+    n_layers = len(retained)
     capacity = spec.budget - spec.chunk + 1
     rule = RULES[spec.policy]
     if spec.allocation == "adaptive":
@@ -697,12 +719,13 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, record: dict) -> None
     if spec.allocation == "pyramid":
         per_layer = _pyramid(capacity, rule.protected(spec, capacity), n_layers)
     layers = [layer for layer in range(n_layers) if not record["exempt"][layer]]  # exempt: kept as they are
+    heads = [range(len(per_head)) for per_head in retained]  # each layer's own KV heads
     if spec.scope == "head":
-        groups = [[(layer, h)] for layer in layers for h in range(n_kv)]
+        groups = [[(layer, h)] for layer in layers for h in heads[layer]]
     elif spec.scope == "layer":
-        groups = [[(layer, h) for h in range(n_kv)] for layer in layers]
+        groups = [[(layer, h) for h in heads[layer]] for layer in layers]
     else:
-        groups = [[(layer, h) for layer in range(n_layers) for h in range(n_kv)]]
+        groups = [[(layer, h) for layer in range(n_layers) for h in heads[layer]]]
     for members in groups:
         candidates = retained[members[0][0]][members[0][1]]
         assert all(retained[layer][h] == candidates for layer, h in members), "a shared set diverged"

@@ -39,7 +39,7 @@ TYPES = causal_lm_types()
 # the architectures the harness is documented to support: the matrix must find them exact
 SUPPORTED = (
     "llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2",
-    "deepseek_v2", "deepseek_v3",
+    "deepseek_v2", "deepseek_v3", "gemma4_text",
 )  # fmt: skip
 
 
@@ -52,10 +52,11 @@ def test_the_types_come_from_the_registry():
 # single-threaded; `make test-all`): rotate_half RoPE with GQA, partial rotary, sliding and global layers,
 # soft-capping, k-norm, a sin/cos table with interleaved pairing, interleaved inv_freq, NoPE layers, learned
 # absolute positions, sinks, MoE; hybrid recurrent (gated delta rule) and convolutional mixers; multi-head
-# latent attention (rotated last channels, half and interleaved pairing); and the refused: no attention switch
+# latent attention (rotated last channels, half and interleaved pairing); per-layer head shapes and
+# proportional RoPE (Gemma 4); and the refused: no attention switch
 FAMILIES = (
     "llama", "gpt_neox", "gemma3_text", "gemma2", "qwen3", "gptj", "cohere", "smollm3", "gpt2", "gpt_oss",
-    "mixtral", "falcon", "deepseek_v2", "deepseek_v3", "qwen3_next", "lfm2",
+    "mixtral", "falcon", "deepseek_v2", "deepseek_v3", "qwen3_next", "lfm2", "gemma4_text",
 )  # fmt: skip
 
 
@@ -80,6 +81,10 @@ def test_tiny_configs_are_small_and_keep_the_layer_kinds():
     assert tiny_config("lfm2").layer_types == ["conv", "full_attention"] * 2
     assert tiny_config("bamba").layer_types == ["linear_attention", "full_attention"] * 2
     assert tiny_config("granitemoehybrid").layer_types == ["linear_attention", "full_attention"] * 2
+    # per-layer shapes: one period of the default's layer types, the full layer twice as wide (Gemma 4)
+    gemma4 = tiny_config("gemma4_text")
+    assert gemma4.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert [c.head_dim for c in gemma4.per_layer_config] == [16] * 5 + [32]
 
 
 def test_the_table_is_sorted_and_counted(tmp_path, capsys):

@@ -1,0 +1,110 @@
+"""Per-layer shapes (issue 37, item 3): Gemma 4's full-attention layers have wider heads and, with
+``attention_k_eq_v``, fewer KV heads than its sliding layers; the memory holds each layer at its own
+shape (zero-padded to the widest), the reference at its own. KV sharing across layers is refused for
+score-based policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+import rmm
+from rmm.architectures import TOLERANCE
+from rmm.engine import StreamingEngine
+from rmm.errors import UnsupportedModelError
+from rmm.policies import make_policy
+from rmm.reference import ReferenceSpec, reference_stream
+
+LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]  # one period of Gemma 4's pattern
+
+
+def _model(**overrides) -> torch.nn.Module:
+    """A tiny random Gemma 4: sliding layers of 2 KV heads x 16 channels, the full layer 1 x 32."""
+    settings = {
+        "vocab_size": 128,
+        "vocab_size_per_layer_input": 128,
+        "hidden_size": 64,
+        "hidden_size_per_layer_input": 16,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "attention_k_eq_v": True,
+        "num_global_key_value_heads": 1,
+        "sliding_window": 16,
+        "layer_types": LAYER_TYPES,
+        "initializer_range": 0.1,
+        "pad_token_id": 127,
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Gemma4TextConfig(**(settings | overrides)))
+    return model.float().eval().requires_grad_(False)
+
+
+def _tokens(n: int = 64) -> torch.Tensor:
+    return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(1))
+
+
+def _nll(model: torch.nn.Module, tokens: torch.Tensor, **settings) -> torch.Tensor:
+    run = rmm.evaluate(model, token_ids=[tokens], **settings)
+    return torch.tensor(run.tokens["nll"].iloc[1:].to_numpy(dtype="float32"))
+
+
+def test_the_memory_holds_each_layer_at_its_own_shape():
+    model = _model()
+    engine = StreamingEngine(model, make_policy({"name": "h2o"}, budget=12, chunk=4))
+    assert engine.layer_shapes == [(2, 16, 16)] * 5 + [(1, 32, 32)]
+    memory = engine.new_memory(32, engine.plan)
+    assert (memory.keys.shape[2], memory.keys.shape[-1], memory.values.shape[-1]) == (2, 32, 32)
+    memory.begin_chunk([0], [4])
+    chunk = memory.key_pos[..., memory.retained :]  # [L, N, H, C]
+    assert (chunk[5, :, 1] == -1).all() and (chunk[5, :, 0] >= 0).all() and (chunk[:5] >= 0).all()
+
+
+def test_full_equals_the_model_and_h2o_the_reference():
+    model, tokens = _model(), _tokens()
+    with torch.no_grad():
+        logits = model(input_ids=tokens[None], use_cache=False).logits[0]
+    own = -torch.log_softmax(logits[:-1].float(), -1).gather(-1, tokens[1:, None])[:, 0]
+    full = _nll(model, tokens, policy="full", budget=None, chunk=16)
+    assert float((full - own).abs().max()) <= TOLERANCE
+    for positions in ("original", "cache"):
+        for scope in ("head", "layer"):
+            got = _nll(model, tokens, policy="h2o", budget=12, chunk=4, positions=positions, scope=scope)
+            spec = ReferenceSpec("h2o", budget=12, chunk=4, positions=positions, scope=scope)
+            expected = reference_stream(model, tokens, spec)[0]
+            assert float((got - expected).abs().max()) <= TOLERANCE, (positions, scope)
+
+
+def test_kv_bytes_count_each_layer_at_its_shape():
+    model, tokens = _model(), _tokens(32)
+    run = rmm.evaluate(model, token_ids=[tokens], policy="h2o", budget=8, chunk=4)
+    # five sliding layers of 2 heads x (16 + 16), the full layer 1 head x (32 + 32), fp32
+    assert run.metrics["kv_cache_bytes"] == 8 * (5 * 2 * 32 + 64) * 4
+
+
+@pytest.mark.parametrize(
+    ("policy", "allocation", "says"),
+    [("knorm", "uniform", "reads keys"), ("h2o", "adaptive", "allocation=adaptive")],
+)
+def test_what_padding_cannot_honour_is_refused(policy: str, allocation: str, says: str):
+    with pytest.raises(UnsupportedModelError, match=says):
+        StreamingEngine(_model(), make_policy({"name": policy}, budget=12, chunk=4), allocation=allocation)
+
+
+def test_kv_sharing_refuses_score_policies_and_runs_position_rules():
+    model = _model(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+    )
+    with pytest.raises(UnsupportedModelError, match="KV sharing"):
+        StreamingEngine(model, make_policy({"name": "h2o"}, budget=12, chunk=4))
+    tokens = _tokens()
+    with torch.no_grad():
+        logits = model(input_ids=tokens[None], use_cache=False).logits[0]
+    own = -torch.log_softmax(logits[:-1].float(), -1).gather(-1, tokens[1:, None])[:, 0]
+    assert float((_nll(model, tokens, policy="window", budget=96, chunk=16) - own).abs().max()) <= TOLERANCE
