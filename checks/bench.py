@@ -116,7 +116,8 @@ CURVE = [
 
 
 def stream_docs(engine: StreamingEngine, docs: list[torch.Tensor]) -> None:
-    """Stream ``docs`` through ``engine``, ``engine.batch`` per pass, each with its own copy of the policy."""
+    """Stream ``docs`` through ``engine``, ``engine.options.batch`` per pass, each with its own copy of the
+    policy."""
     for _ in engine.stream_many([StreamRequest(doc, copy.copy(engine.policy)) for doc in docs]):
         pass
 

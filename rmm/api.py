@@ -30,6 +30,7 @@ from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
 from rmm.memory import RowView
 from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model
+from rmm.options import StreamOptions
 from rmm.policies import Observation, Policy, ScorePolicy, make_policy
 from rmm.storage import write_run
 
@@ -113,6 +114,7 @@ def evaluate(
     Evaluation with ``ppl``, ``metrics``, ``tokens`` and ``save(dir)``.
     """
     code = provenance.capture()  # the code as this process found it: later edits are not attributed to it
+    options = StreamOptions(positions, scope, allocation, layers, batch)
     docs = _documents(texts, tokenizer, token_ids, documents, max_tokens)
     if isinstance(policy, Policy):
         if policy_params:
@@ -122,26 +124,12 @@ def evaluate(
     longest = max(doc.tokens.numel() for doc in docs)
     reference = reference_pass(model, policy, longest, oracle_tau, oracle_context)
     # the engine switches the model's attention for each pass only, and restores it after
-    metrics, tokens = stream_run(
-        model,
-        docs,
-        policy,
-        reference,
-        positions=positions,
-        scope=scope,
-        allocation=allocation,
-        layers=layers,
-        batch=batch,
-    )
+    metrics, tokens = run_engine(StreamingEngine(model, policy, options), docs, reference)
     config = {
         "policy": {"name": policy.name, **_policy_parameters(policy)},
         "budget": policy.budget,
         "chunk": policy.chunk,
-        "positions": positions,
-        "scope": scope,
-        "allocation": allocation,
-        "layers": layers,
-        "batch": batch,
+        **options.as_dict(),
         "max_tokens": max_tokens,
         "oracle": {"tau": oracle_tau, "context": oracle_context},
         "model": getattr(model.config, "name_or_path", None) or type(model).__name__,
@@ -160,28 +148,6 @@ def load_model(
     else CPU + fp32)."""
     where = models.resolve_device(device)
     return models.load_model(models.model_config(name), where, models.resolve_dtype(dtype, where))
-
-
-def stream_run(
-    model: PreTrainedModel,
-    docs: Sequence[Document],
-    policy: Policy,
-    reference: ReferenceRunner | None = None,
-    *,
-    positions: str = "original",
-    scope: str = "head",
-    allocation: str = "uniform",
-    layers: str = "all",
-    batch: int = 4,
-    estimator: bool = False,
-    on_chunk: ChunkHookFactory | None = None,
-) -> tuple[dict[str, Any], pd.DataFrame]:
-    """A run of :func:`evaluate` and ``python run.py`` (rmm/runner.py): build the engine and run it
-    (:func:`run_engine`)."""
-    engine = StreamingEngine(
-        model, policy, positions=positions, scope=scope, allocation=allocation, layers=layers, batch=batch
-    )
-    return run_engine(engine, docs, reference, estimator=estimator, on_chunk=on_chunk)
 
 
 def reference_pass(
@@ -209,9 +175,9 @@ def run_engine(
     estimator: bool = False,
     on_chunk: ChunkHookFactory | None = None,
 ) -> tuple[dict[str, Any], pd.DataFrame]:
-    """The one setup of a run, shared by :func:`evaluate`, ``python run.py`` and lm-eval's model
-    (rmm/lm_eval.py): check the engine on its model with the longest document (before any scored token),
-    stream every document (:func:`stream_documents`) while sampling peak memory, and measure.
+    """The one setup of a run, shared by :func:`evaluate`, ``python run.py`` (rmm/runner.py) and lm-eval's
+    model (rmm/lm_eval.py): check ``engine`` on its model with the longest document (before any scored
+    token), stream every document (:func:`stream_documents`) while sampling peak memory, and measure.
 
     Returns the stream metrics (:func:`stream_metrics`) and the per-token frame (one row per token of
     every document, in the documents' order).
@@ -258,26 +224,23 @@ def stream_documents(
     estimator: bool = False,
     on_chunk: ChunkHookFactory | None = None,
 ) -> RunTotals:
-    """Stream every document, each a fresh memory and its own copy of the policy, ``engine.batch`` side by
-    side per forward pass (:meth:`~rmm.engine.StreamingEngine.stream_many`), and total the outcomes in the
-    documents' order.
+    """Stream every document, each a fresh memory and its own copy of the policy, ``engine.options.batch``
+    side by side per forward pass (:meth:`~rmm.engine.StreamingEngine.stream_many`), and total the outcomes
+    in the documents' order.
 
     ``reference`` is the look-ahead pass the policy's ``prepare`` (the oracles) and the ``estimator``
-    diagnostic read, run for ``engine.batch`` documents side by side; ``on_chunk(totals, doc)`` gives a
-    per-chunk hook for each document.
+    diagnostic read, run for that many documents side by side; ``on_chunk(totals, doc)`` gives a per-chunk
+    hook for each document.
     """
     totals = RunTotals()
     docs = list(docs)
+    batch = engine.options.batch
     estimating = estimator and isinstance(engine.policy, ScorePolicy)
 
     def requests() -> Iterator[StreamRequest]:
         for i, doc in enumerate(docs):  # drawn as a place in the batch frees up
-            if (
-                reference is not None
-                and (engine.policy.needs_reference or estimating)
-                and i % engine.batch == 0
-            ):
-                reference.prefetch([d.tokens for d in docs[i : i + engine.batch]], engine.batch)
+            if reference is not None and (engine.policy.needs_reference or estimating) and i % batch == 0:
+                reference.prefetch([d.tokens for d in docs[i : i + batch]], batch)
             policy = copy.copy(engine.policy)  # prepare may keep per-document state (the oracles)
             policy.prepare(doc.tokens, reference or no_reference_pass)
             hook = (
@@ -334,10 +297,7 @@ def stream_metrics(
         **policy.metric_fields(),
         "score_digits": getattr(policy, "score_digits", None),  # what counts as a near-tie (rmm.divergence)
         "chunk": policy.chunk,
-        "positions": engine.positions,
-        "scope": engine.scope,
-        "allocation": engine.allocation,
-        "layers": engine.layers,
+        **{key: value for key, value in engine.options.as_dict().items() if key != "batch"},
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
     }

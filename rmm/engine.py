@@ -20,9 +20,9 @@ from rmm import integration, selfcheck
 from rmm.errors import UnsupportedModelError
 from rmm.memory import RowView, SlotMemory, record_gradients
 from rmm.models import describe_model, kv_shared_layers, latent_attention, layer_shapes
+from rmm.options import StreamOptions
 from rmm.policies import Observation, Policy, ScorePolicy
 from rmm.policies.select import (
-    SCOPES,
     adaptive_floor,
     capacities,
     check_allocation,
@@ -35,7 +35,6 @@ from rmm.recording import RecordingPlan, check_positions, recording_plan
 from rmm.rotary import Rotary
 from rmm.selfcheck import SelfCheck
 
-LAYERS = ("all", "global")  # as rmm.config.LAYERS, which checks configs without torch
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 # called before each decision of a score-based policy: (the stream's view of the memory, observation of
@@ -76,11 +75,12 @@ class StreamResult:
 
 
 class StreamingEngine:
-    """Streams token sequences through ``model`` under ``policy`` with budget B and chunk C.
+    """Streams token sequences through ``model`` under ``policy`` with budget B and chunk C, bounded as
+    ``options`` say (:class:`~rmm.options.StreamOptions`, or its fields as keywords: ``positions="cache"``).
 
-    ``allocation`` (``uniform``, ``adaptive`` or ``pyramid``) splits the budget across KV heads and
-    layers (:mod:`rmm.policies.select`, docs/semantics.md); the capacities are computed once here.
-    ``batch`` is how many streams :meth:`stream_many` runs side by side in one forward pass.
+    ``options.allocation`` (``uniform``, ``adaptive`` or ``pyramid``) splits the budget across KV heads
+    and layers (:mod:`rmm.policies.select`, docs/semantics.md); the capacities are computed once here.
+    ``options.batch`` is how many streams :meth:`stream_many` runs side by side in one forward pass.
 
     While a stream runs, the model's attention is :func:`rmm.integration.bounded_attention` (its own
     implementation is restored afterwards); the model's own KV cache holds no attention entry. A model
@@ -92,17 +92,15 @@ class StreamingEngine:
         self,
         model: PreTrainedModel,
         policy: Policy,
-        positions: str = "original",
-        scope: str = "head",
-        allocation: str = "uniform",
-        layers: str = "all",
-        batch: int = 1,
+        options: StreamOptions | None = None,
+        **fields: str | int,
     ):
-        if scope not in SCOPES:
-            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        if options is None:
+            options = StreamOptions(**fields)  # type: ignore[arg-type]
+        elif fields:
+            raise TypeError("give the stream options as options= or as keywords, not both")
+        positions, scope, allocation = options.positions, options.scope, options.allocation
         check_allocation(allocation, scope, positions, policy)
-        check_layers(layers, allocation)
-        check_batch(batch)
         if allocation != "uniform" and policy.budget is None:
             raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
         check_positions(policy, positions)
@@ -121,14 +119,14 @@ class StreamingEngine:
         # the recording plan, built once: R is the largest per-head capacity under an allocation, and the
         # widest window of a layer the policy leaves alone (layers=global)
         plan = recording_plan(policy, positions, allocation, self.shape[:2])
-        self.plan = plan.exempting(self.windows) if layers == "global" and policy.budget is not None else plan
+        global_only = options.layers == "global" and policy.budget is not None
+        self.plan = plan.exempting(self.windows) if global_only else plan
         check_carried(model, self.carried, self.plan, scope)
         check_latent(model.config.get_text_config(), integration.describe(model), policy, scope)
         check_layer_shapes(model.config.get_text_config(), integration.describe(model), policy, allocation)
         # per layer: (KV heads, key and value head dimensions) of its own, within the memory's widest
         self.layer_shapes = layer_shapes(model.config.get_text_config())
-        self.model, self.policy, self.positions, self.scope = model, policy, positions, scope
-        self.allocation, self.layers, self.batch = allocation, layers, batch
+        self.model, self.policy, self.options = model, policy, options
         # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
         self.capacity: int | torch.Tensor | None = None
         self.floor: int | None = None
@@ -259,8 +257,8 @@ class StreamingEngine:
         Yields (index of the request, its result, its share of the passes' wall time in seconds) as
         each stream finishes.
         """
-        batch = self.batch if batch is None else batch
-        check_batch(batch)
+        batch = self.options.batch if batch is None else batch
+        StreamOptions(batch=batch)  # checks it
         pending = iter(enumerate(requests))
         rows: list[_Stream | None] = []  # the memory's rows: a running stream, or None once it finished
         memory: SlotMemory | None = None
@@ -465,7 +463,7 @@ class StreamingEngine:
             if stream.hooks.before_boundary is not None:
                 stream.hooks.before_boundary(view, obs, stops[i], score)
             scores.append(torch.nn.functional.pad(score, (0, width - view.n)) if view.n < width else score)
-        how = (self.scope, rows[deciding[0]].policy.scope_reduce, self.floor)
+        how = (self.options.scope, rows[deciding[0]].policy.scope_reduce, self.floor)
 
         def decide(score: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor):
             keep = select(score, positions, alive, self.capacity, *how)
@@ -584,23 +582,6 @@ class _Stream:
             self.decisions[:k].float().cpu(),
             self.digests[:k].cpu(),
             getattr(self.policy, "score_digits", None),
-        )
-
-
-def check_batch(batch: int) -> None:
-    """``batch``: streams per forward pass, at least 1."""
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an integer >= 1 (streams per forward pass), got {batch!r}")
-
-
-def check_layers(layers: str, allocation: str) -> None:
-    """``layers``: ``all`` (the policy decides in every layer) or ``global`` (only in global layers)."""
-    if layers not in LAYERS:
-        raise ValueError(f"layers must be one of {LAYERS}, got {layers!r}")
-    if layers == "global" and allocation != "uniform":
-        raise ValueError(
-            "layers=global keeps the windowed layers out of the policy's budget, which "
-            f"allocation={allocation} spreads over every layer: use allocation=uniform, or layers=all"
         )
 
 

@@ -33,6 +33,7 @@ from rmm.api import reference_pass, run_engine
 from rmm.data import Document
 from rmm.engine import StreamingEngine
 from rmm.models import describe_model, load_model, model_config, resolve_device, resolve_dtype
+from rmm.options import StreamOptions
 from rmm.policies import make_policy
 
 log = logging.getLogger(__name__)
@@ -98,20 +99,13 @@ class RmmLM(TemplateLM):
         for key in _LM_EVAL_KEYS:
             policy_params.pop(key, None)
         budget = None if isinstance(budget, str) and budget.lower() in ("none", "null") else budget
+        options = StreamOptions(positions, scope, allocation, layers, batch)  # checked before the model loads
         self.model, self.tokenizer, self.model_context = _load(
             pretrained, tokenizer, revision, _device(device), dtype
         )
         self._device = next(self.model.parameters()).device
         self.policy = make_policy({"name": policy, **policy_params}, budget=budget, chunk=int(chunk))
-        self.engine = StreamingEngine(
-            self.model,
-            self.policy,
-            positions=positions,
-            scope=scope,
-            allocation=allocation,
-            layers=layers,
-            batch=batch,
-        )
+        self.engine = StreamingEngine(self.model, self.policy, options)
         self.oracle_tau, self.oracle_context = float(oracle_tau), oracle_context
         self._max_length = None if max_length is None else int(max_length)
         self.add_bos_token = add_bos_token
@@ -120,11 +114,7 @@ class RmmLM(TemplateLM):
             "policy": policy,
             "budget": budget,
             "chunk": int(chunk),
-            "positions": positions,
-            "scope": scope,
-            "allocation": allocation,
-            "layers": layers,
-            "batch": batch,
+            **options.as_dict(),
             **policy_params,
         }
         self.streamed_tokens = 0

@@ -17,10 +17,11 @@ from transformers import PreTrainedModel
 from rmm import api, provenance, sharing
 from rmm.config import check_config
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
-from rmm.engine import check_latent, check_layer_shapes
+from rmm.engine import StreamingEngine, check_latent, check_layer_shapes
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
 from rmm.models import describe_model, load_model, peek_config, resolve_device, resolve_dtype
+from rmm.options import StreamOptions
 from rmm.policies import Policy, ScorePolicy, make_policy
 from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
@@ -76,16 +77,11 @@ def _stream(
 ) -> tuple[dict[str, Any], pd.DataFrame]:
     """Stream the documents of ``setup``: the run's metrics and per-token frame."""
     progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
-    stream_metrics, tokens = api.stream_run(
-        setup.model,
+    engine = StreamingEngine(setup.model, setup.policy, StreamOptions.from_config(cfg))
+    stream_metrics, tokens = api.run_engine(
+        engine,
         setup.docs,
-        setup.policy,
         setup.reference,
-        positions=cfg.positions,
-        scope=cfg.scope,
-        allocation=cfg.get("allocation", "uniform"),
-        layers=cfg.get("layers", "all"),
-        batch=cfg.get("batch", 1),
         estimator=_estimating(cfg, setup.policy),
         on_chunk=lambda totals, doc: RunningPerplexity(totals, progress, tracker),
     )

@@ -44,6 +44,7 @@ from transformers import PreTrainedModel
 from rmm import integration
 from rmm.errors import UnsupportedModelError
 from rmm.memory import SlotMemory
+from rmm.options import StreamOptions
 from rmm.policies.base import every_key
 from rmm.recording import RecordingPlan
 from rmm.rotary import Rotary
@@ -68,10 +69,9 @@ class Checkable(Protocol):
     rotary: Rotary
     dtype: torch.dtype
     device: torch.device
+    options: StreamOptions
 
     def new_memory(self, n_tokens: int, plan: RecordingPlan, rows: int = 1) -> SlotMemory: ...
-
-    batch: int
 
     def forward(
         self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor
@@ -171,8 +171,8 @@ def _unlimited(plan: RecordingPlan, chunk: int, **changes) -> RecordingPlan:
 
 def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """(|dNLL| [n - 1] of the probe against the model's own forward, tokens per pass, and with
-    ``engine.batch`` > 1 |dNLL| [2, n - 1] of the probe in each row of a batch of two beside its reverse
-    against the probe streamed alone, else None); checks the attention calls.
+    ``engine.options.batch`` > 1 |dNLL| [2, n - 1] of the probe in each row of a batch of two beside its
+    reverse against the probe streamed alone, else None); checks the attention calls.
 
     Only the probe is held, so the verdict on the model does not depend on the batch; the batch is held
     against the engine's own unbatched stream: a model whose rows interact fails.
@@ -183,7 +183,7 @@ def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[torch.Tensor,
     own_nll = -logp[:-1].gather(-1, probe[1:, None])[:, 0]  # [n - 1]
     step = max(1, -(-probe.numel() // PROBE_PASSES))
     alone = _stream(engine, probe[None], step)  # [1, n - 1]
-    if engine.batch == 1:
+    if engine.options.batch == 1:
         return (alone[0] - own_nll).abs(), step, None
     reverse = probe.flip(0)
     first = _stream(engine, torch.stack([probe, reverse]), step)[0]

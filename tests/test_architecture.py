@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,10 +131,16 @@ def test_types_have_one_meaning_each():
     assert {defined: mods for defined, mods in where.items() if len(mods) > 1} == {}
 
 
-def test_the_light_config_checks_agree_with_the_engine():
-    """rmm/config.py checks configs without torch, so it keeps its own copies of the option lists."""
-    assert config.POSITIONS == recording.POSITIONS and config.SCOPES == select.SCOPES
-    assert config.LAYERS == engine.LAYERS
+def test_the_stream_options_are_defined_once_and_checked_without_torch():
+    """rmm/options.py holds the allowed values (no other module has its own copy) and the config check runs
+    it before torch is imported."""
+    from rmm import options
+
+    for module in (config, recording, select, engine):
+        for name in ("POSITIONS", "SCOPES", "ALLOCATIONS", "LAYERS"):
+            assert getattr(module, name, getattr(options, name)) is getattr(options, name), (module, name)
+    code = "import sys, rmm.config, rmm.options; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_registry_refuses_two_policies_with_one_name():

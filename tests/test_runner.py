@@ -345,7 +345,7 @@ def test_full_at_another_budget_reuses_the_run_beside_it(tiny_setup, tmp_path, m
     ``reused_from``) without streaming, and resumes like any run."""
     first, second = tmp_path / "B12", tmp_path / "B16"
     computed = run(config(tiny_setup, "policy=full", "budget=12"), first)
-    monkeypatch.setattr(runner.api, "stream_run", _no_streaming)
+    monkeypatch.setattr(runner.api, "run_engine", _no_streaming)
     reused = run(config(tiny_setup, "policy=full", "budget=16"), second)
     assert reused[sharing.REUSED_FROM] == str(first) and sharing.REUSED_FROM not in computed
     assert reused == {**computed, "run_name": reused["run_name"], sharing.REUSED_FROM: str(first)}

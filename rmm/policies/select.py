@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from rmm.options import ALLOCATIONS, SCOPES  # noqa: F401  (SCOPES: imported from here until the engine takes StreamOptions)
+from rmm.options import ALLOCATIONS
 from rmm.policies.base import Policy, ScorePolicy
 
 
