@@ -24,13 +24,14 @@ from transformers import PreTrainedModel
 from rmm import models, provenance
 from rmm.analysis.bootstrap import BLOCK, N_RESAMPLES, SEED, compare_tokens
 from rmm.data import Document
-from rmm.engine import ChunkHook, StreamHooks, StreamingEngine, StreamRequest, StreamResult, layer_entries
+from rmm.engine import ChunkHook, StreamHooks, StreamingEngine, StreamRequest, StreamResult
 from rmm.future import FutureRequests
 from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
 from rmm.memory import RowView
 from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
 from rmm.models import describe_model
 from rmm.options import StreamOptions
+from rmm.planning import layer_entries
 from rmm.policies import Observation, Policy, ScorePolicy, make_policy
 from rmm.storage import write_run
 
@@ -182,7 +183,6 @@ def run_engine(
     Returns the stream metrics (:func:`stream_metrics`) and the per-token frame (one row per token of
     every document, in the documents' order).
     """
-    model = engine.model
     longest = max(docs, key=lambda doc: doc.tokens.numel()).tokens
     engine.self_check(longest)
     memory = PeakMemory(engine.device)
@@ -199,8 +199,7 @@ def run_engine(
 
     totals = stream_documents(engine, docs, reference, estimator=estimator, on_chunk=sampling)
     tokens = pd.concat(totals.token_frames, ignore_index=True)
-    dims = describe_model(model)
-    return stream_metrics(engine, totals, tokens, dims, longest.numel(), memory, reference), tokens
+    return stream_metrics(engine, totals, tokens, longest.numel(), memory, reference), tokens
 
 
 def compare(
@@ -265,14 +264,13 @@ def stream_metrics(
     engine: StreamingEngine,
     totals: RunTotals,
     tokens: pd.DataFrame,
-    dims: dict,
     longest: int,
     memory: PeakMemory,
     reference: ReferenceRunner | None,
 ) -> dict[str, Any]:
     """The metrics of streamed documents: :func:`rmm.metrics.summarize`, the per-segment results of
     ``tokens``, memory, KV bytes, the reference pass's settings and the policy's own fields."""
-    policy = engine.policy
+    policy, dims = engine.policy, engine.facts.dims
     budget = policy.budget if policy.budget is not None else longest
     return {
         **summarize(totals),

@@ -14,25 +14,21 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from rmm import integration, selfcheck
 from rmm.errors import UnsupportedModelError
 from rmm.memory import RowView, SlotMemory, record_gradients
-from rmm.models import describe_model, kv_shared_layers, latent_attention, layer_shapes
 from rmm.options import StreamOptions
-from rmm.policies import Observation, Policy, ScorePolicy
+from rmm.planning import model_facts, plan_stream
+from rmm.policies import Observation, Policy
 from rmm.policies.select import (
-    adaptive_floor,
-    capacities,
-    check_allocation,
     decision_margin,
     kept_digest,
     rule_keep,
     select,
 )
-from rmm.recording import RecordingPlan, check_positions, recording_plan
-from rmm.rotary import Rotary
+from rmm.recording import RecordingPlan
 from rmm.selfcheck import SelfCheck
 
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
@@ -97,63 +93,23 @@ class StreamingEngine:
     ):
         if options is None:
             options = StreamOptions(**fields)  # type: ignore[arg-type]
+        elif not isinstance(options, StreamOptions):
+            raise TypeError(
+                f"options must be a StreamOptions (or give positions=, scope=, ...), got {options!r}"
+            )
         elif fields:
             raise TypeError("give the stream options as options= or as keywords, not both")
-        positions, scope, allocation = options.positions, options.scope, options.allocation
-        check_allocation(allocation, scope, positions, policy)
-        if allocation != "uniform" and policy.budget is None:
-            raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
-        check_positions(policy, positions)
-        integration.check_model(model, positions)
-        self.windows = integration.layer_windows(model)  # per layer: past entries its window shows, or None
-        attends = set(integration.attention_layers(model))
-        self.attending = [
-            layer in attends for layer in range(model.config.get_text_config().num_hidden_layers)
-        ]
-        self.carried = integration.carried_layers(model)  # layers with recurrent or convolutional state
+        facts = model_facts(model)
+        plan = plan_stream(policy, options, facts)
+        self.model, self.policy, self.options, self.facts = model, policy, options, facts
+        # what the plan says, and the facts the memory and the passes read
+        self.plan, self.capacity, self.floor = plan.recording, plan.capacity, plan.floor
+        self.windows, self.attending, self.carried = facts.windows, facts.attending, facts.carried
+        self.shape, self.layer_shapes = facts.shape, facts.layer_shapes
+        self.value_dim = facts.dims["value_head_dim"]
+        self.rotary, self.max_positions = facts.rotary, facts.max_positions
+        self.device, self.dtype = facts.device, facts.dtype
         self.state_bytes = 0  # one stream's recurrent and convolutional state (measured at the first pass)
-        check_windows(model, self.windows, policy, scope)
-        dims = describe_model(model)
-        self.shape = (dims["n_layers"], dims["n_kv_heads"], dims["head_dim"])
-        self.value_dim = dims["value_head_dim"]
-        # the recording plan, built once: R is the largest per-head capacity under an allocation, and the
-        # widest window of a layer the policy leaves alone (layers=global)
-        plan = recording_plan(policy, positions, allocation, self.shape[:2])
-        global_only = options.layers == "global" and policy.budget is not None
-        self.plan = plan.exempting(self.windows) if global_only else plan
-        check_carried(model, self.carried, self.plan, scope)
-        check_latent(model.config.get_text_config(), integration.describe(model), policy, scope)
-        check_layer_shapes(model.config.get_text_config(), integration.describe(model), policy, allocation)
-        # per layer: (KV heads, key and value head dimensions) of its own, within the memory's widest
-        self.layer_shapes = layer_shapes(model.config.get_text_config())
-        self.model, self.policy, self.options = model, policy, options
-        # per (layer, KV head) capacity [L, H] and the adaptive floor, once per engine
-        self.capacity: int | torch.Tensor | None = None
-        self.floor: int | None = None
-        if policy.budget is not None and self.plan.rule is None:  # a score-based policy
-            self.capacity = policy.capacity
-            if allocation == "pyramid":
-                self.capacity = capacities(allocation, policy.capacity, policy.protected, *self.shape[:2])
-            elif allocation == "adaptive":
-                self.floor = adaptive_floor(policy.capacity)
-        self.device = next(model.parameters()).device
-        if self.plan.exempt and self.capacity is not None:  # a windowed layer keeps all its window shows
-            per_layer = torch.tensor([self.plan.retained if e else policy.capacity for e in self.plan.exempt])
-            self.capacity = per_layer[:, None].expand(self.shape[:2]).clone()
-        if isinstance(self.capacity, torch.Tensor):
-            self.capacity = self.capacity.to(self.device)
-        self.dtype = next(model.parameters()).dtype
-        self.rotary = Rotary(model).to(self.device)
-        if not self.rotary.candidates and selfcheck.moves_positions(self.plan):
-            raise UnsupportedModelError(
-                f"{integration.describe(model)} has no rotary position embedding (no `inv_freq` buffer, nor "
-                "a sin/cos table in a rotary module), so its keys cannot move to other positions, which "
-                f"positions={positions} with policy {policy.name} needs; use positions=original with a "
-                "policy that reads no keys or queries"
-            )
-        # the positions a stream may reach: learned absolute positions, or a rotary sin/cos table's rows
-        learned = dims["max_position_embeddings"]
-        self.max_positions = self.rotary.max_positions if self.rotary.candidates else learned
         # model constants a policy may declare in `needs`, read once and handed to every observation
         self.constants: dict[str, object] = {}
         if "output_projection" in getattr(policy, "needs", ()):
@@ -582,131 +538,4 @@ class _Stream:
             self.decisions[:k].float().cpu(),
             self.digests[:k].cpu(),
             getattr(self.policy, "score_digits", None),
-        )
-
-
-def layer_entries(
-    budget: int, windows: list[int | None], exempt: tuple[bool, ...], attending: list[bool] | None = None
-) -> list[int]:
-    """Past entries each layer holds at most: B, or min(B, w) for a layer whose window shows w past entries
-    (its budget beyond w is never used), or w for a windowed layer the policy leaves alone; 0 for a layer
-    that does not attend (``attending``: per layer; default every layer attends)."""
-    return [
-        0
-        if attending is not None and not attending[layer]
-        else budget
-        if w is None
-        else (w if exempt and exempt[layer] else min(budget, w))
-        for layer, w in enumerate(windows)
-    ]
-
-
-def check_carried(model: PreTrainedModel, carried: list[int], plan: RecordingPlan, scope: str) -> None:
-    """Refuse what a model with recurrent or convolutional mixers (``carried``: their layers) cannot do
-    with a score-based policy: one set across all layers (``scope=global``; its mixers hold no entries),
-    or the gradient utility (the reference does not carry a hybrid model's state through it)."""
-    if not carried or plan.rule is not None:
-        return
-    name = integration.describe(model)
-    if scope == "global":
-        raise UnsupportedModelError(
-            f"{name} has layers that hold no attention entries (recurrent or convolutional mixers), so one "
-            "set cannot be shared across all layers; use scope=head or scope=layer"
-        )
-    if plan.track_gradient:
-        raise UnsupportedModelError(
-            f"the gradient utility (rmm's weight=gradient) on {name}, whose mixers carry state across "
-            "chunks, is not checked against the reference; use another weight"
-        )
-
-
-# what a policy may read (its ``needs``) that multi-head latent attention's own cache does not hold
-PER_HEAD_ENTRIES = frozenset({"keys", "values", "output_projection"})
-
-
-def check_latent(config: PretrainedConfig, name: str, policy: Policy, scope: str) -> None:
-    """Refuse what a score-based policy cannot honour under multi-head latent attention (a model ``name``
-    of text config ``config``), whose own cache keeps one latent per token and layer that every head
-    expands into its own key and value: sets per head (``scope=head``: the latents kept would be the union
-    of the heads' sets, so the budget would bound nothing the model stores), and policies that read the
-    expanded per-head keys or values (the model never stores them, and the reference, which holds the
-    latents, has no rule for them). Needs the config only: the runner calls it before the weights load."""
-    if not isinstance(policy, ScorePolicy) or not latent_attention(config):
-        return
-    if scope == "head":
-        raise UnsupportedModelError(
-            f"{name} uses multi-head latent attention: its cache keeps one latent per token and layer for "
-            "all heads, so sets chosen per head (scope=head) would keep the union of the heads' sets and "
-            "the budget would not bound what the model stores; use scope=layer or scope=global"
-        )
-    reads = sorted(PER_HEAD_ENTRIES & set(policy.needs))
-    if reads:
-        raise UnsupportedModelError(
-            f"policy {policy.name} reads {', '.join(reads)}, but {name} uses multi-head latent attention, "
-            "whose cache holds a latent per token, not the per-head keys and values transformers expands "
-            "from it (no reference rule reads those); use a policy that reads attention or positions only"
-        )
-
-
-# what a policy may read that the memory holds padded to the widest layer under per-layer shapes
-PADDED_ENTRIES = frozenset({"keys", "values", "queries", "output_projection", "gradient"})
-
-
-def check_layer_shapes(config: PretrainedConfig, name: str, policy: Policy, allocation: str) -> None:
-    """Refuse what a score-based policy cannot honour on a model ``name`` (text config ``config``) whose
-    layers differ in shape or share keys and values. KV sharing (:func:`~rmm.models.kv_shared_layers`):
-    the model stores a shared layer's keys once, but the slot memory holds a copy per layer that reads
-    them, which a score-based policy would evict on its own (position rules keep the same positions in
-    every copy). Per-layer shapes (:func:`~rmm.models.layer_shapes`): the memory holds every layer at
-    the widest layer's KV heads and head dimension, zero-padded, so policies that read keys, values,
-    queries, W_o or gradients (no reference rule checks them there) are refused, and so is
-    ``allocation=adaptive`` where the layers' KV heads differ (its room per layer counts every head).
-    Needs the config only: the runner calls it before the weights load."""
-    if not isinstance(policy, ScorePolicy):
-        return
-    shared = kv_shared_layers(config)
-    if shared:
-        raise UnsupportedModelError(
-            f"{name} shares keys and values across layers (layers {shared[0]}-{shared[-1]} reuse an earlier "
-            "layer's, KV sharing): the model stores them once, but the slot memory holds a copy per reading "
-            f"layer, which policy {policy.name} would evict on its own; use a position rule (full, window, "
-            "streaming_llm), which keeps the same positions in every copy"
-        )
-    shapes = layer_shapes(config)
-    if shapes is None:
-        return
-    reads = sorted(PADDED_ENTRIES & set(policy.needs))
-    if reads:
-        raise UnsupportedModelError(
-            f"policy {policy.name} reads {', '.join(reads)}, but {name} has per-layer head shapes, which the "
-            "slot memory holds zero-padded to the widest layer (no reference rule reads them there); use a "
-            "policy that reads attention or positions only"
-        )
-    if allocation == "adaptive" and len({shape[0] for shape in shapes}) > 1:
-        raise UnsupportedModelError(
-            f"{name} has layers with different numbers of KV heads, but allocation=adaptive gives each layer "
-            "room for every head the memory holds; use allocation=uniform or pyramid"
-        )
-
-
-def check_windows(
-    model: PreTrainedModel, layer_windows: list[int | None], policy: Policy, scope: str
-) -> None:
-    """Refuse what a model's own windows (sliding or chunked layers) and a score-based policy cannot do
-    together: one set shared across layers (``scope=global``), or a policy that reads entries further
-    back than a window keeps them (its ``lookback``)."""
-    windows = [w for w in layer_windows if w is not None]
-    if not windows or not isinstance(policy, ScorePolicy):
-        return
-    name = integration.describe(model)
-    if scope == "global":
-        raise UnsupportedModelError(
-            f"{name} has windowed layers, whose entries leave as the window passes, so one set cannot be "
-            "shared across all layers; use scope=head or scope=layer"
-        )
-    if min(windows) < policy.lookback:
-        raise UnsupportedModelError(
-            f"policy {policy.name} reads entries up to {policy.lookback} positions behind a boundary, but "
-            f"{name} has a layer that attends only {min(windows)} past positions; choose smaller "
-            "policy parameters (e.g. policy.partition) or another policy"
         )

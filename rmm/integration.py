@@ -480,14 +480,14 @@ def layer_windows(model: PreTrainedModel) -> list[int | None]:
     return [None if reach.get(kind) is None else int(reach[kind]) - 1 for kind in layer_types]
 
 
-def check_model(model: PreTrainedModel, positions: str) -> None:
+def check_model(model: PreTrainedModel) -> None:
     """Refuse, before streaming, a model whose attention the bounded attention would not reproduce.
 
     Reads the (text) config: ALiBi, bidirectional attention, a sparse attention indexer, layers that
     are not attention whose state the model's own cache cannot carry (:func:`carried_layers`), no
-    attention layer at all, and length-dependent RoPE under cache positions. Whatever the config does
-    not say is found by :mod:`rmm.selfcheck` before the first scored token. Raises
-    :class:`UnsupportedModelError` naming the reason.
+    attention layer at all (length-dependent RoPE under cache positions: :func:`check_positions`).
+    Whatever the config does not say is found by :mod:`rmm.selfcheck` before the first scored token.
+    Raises :class:`UnsupportedModelError` naming the reason.
     """
     config = model.config.get_text_config()
     name = describe(model)
@@ -515,6 +515,12 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
             f"{name} has no attention layer (its layer types: {', '.join(sorted(set(layer_types)))}), so "
             "there is no KV memory for a policy to bound; this model is not supported"
         )
+
+
+def check_positions(model: PreTrainedModel, positions: str) -> None:
+    """Refuse cache positions on a model whose RoPE frequencies depend on the sequence length."""
+    if positions != "cache":
+        return
     rope_types = set()
     for module in model.modules():
         kinds = getattr(module, "rope_type", None)
@@ -523,9 +529,10 @@ def check_model(model: PreTrainedModel, positions: str) -> None:
         elif kinds is not None:
             rope_types.add(str(kinds))
     length_dependent = sorted(rope_types & LENGTH_DEPENDENT_ROPE)
-    if positions == "cache" and length_dependent:
+    if length_dependent:
         raise UnsupportedModelError(
-            f"{name} uses {length_dependent[0]} RoPE, whose frequencies change with the sequence length, so "
+            f"{describe(model)} uses {length_dependent[0]} RoPE, whose frequencies change with the sequence "
+            "length, so "
             "keys re-rotated to their cache rank would not match the model's own rotation; use "
             "positions=original, or a model with static RoPE scaling"
         )

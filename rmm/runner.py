@@ -17,11 +17,12 @@ from transformers import PreTrainedModel
 from rmm import api, provenance, sharing
 from rmm.config import check_config
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
-from rmm.engine import StreamingEngine, check_latent, check_layer_shapes
+from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
 from rmm.models import describe_model, load_model, peek_config, resolve_device, resolve_dtype
 from rmm.options import StreamOptions
+from rmm.planning import check_latent, check_layer_shapes
 from rmm.policies import Policy, ScorePolicy, make_policy
 from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity

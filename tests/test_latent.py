@@ -103,7 +103,9 @@ def test_bounded_policies_match_the_reference(models, arch, name, params, scope,
 @pytest.mark.parametrize(("arch", "pairing"), [("deepseek_v2", "/interleaved"), ("deepseek_v3", "")])
 def test_the_self_check_finds_the_rotation_of_the_last_channels(models, arch, pairing):
     model = models[arch]
-    engine = StreamingEngine(model, make_policy({"name": "h2o"}, budget=8, chunk=4), "cache", "layer")
+    engine = StreamingEngine(
+        model, make_policy({"name": "h2o"}, budget=8, chunk=4), positions="cache", scope="layer"
+    )
     engine.self_check(sampled_stream(model, N))
     offset = model.config.qk_nope_head_dim
     names = {name for name, _ in engine.checked.rotations.values()}

@@ -1,0 +1,257 @@
+"""Planning a stream: what the engine reads of a model once (:class:`ModelFacts`), and what a policy
+under given options may do on it (:func:`plan_stream`: every check, the recording plan, the per-head
+capacities and the adaptive floor), so that :class:`~rmm.engine.StreamingEngine` only assembles what the
+plan says. The checks that need only a config run before the weights load too (rmm/runner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from rmm import integration, selfcheck
+from rmm.errors import UnsupportedModelError
+from rmm.models import describe_model, kv_shared_layers, latent_attention, layer_shapes
+from rmm.options import StreamOptions
+from rmm.policies import Policy, ScorePolicy
+from rmm.policies.select import adaptive_floor, capacities, check_allocation
+from rmm.recording import RecordingPlan, check_positions, recording_plan
+from rmm.rotary import Rotary
+
+
+@dataclass
+class ModelFacts:
+    """What the engine reads of ``model`` once.
+
+    name : how errors name it; config : its text config; dims : :func:`rmm.models.describe_model`;
+    windows : per layer, the past entries its own window shows (None: all); attending : per layer,
+    whether it attends; carried : layers with recurrent or convolutional state; layer_shapes : per layer
+    (KV heads, key and value head dimensions) where layers differ (None: one shape); rotary : its
+    rotations (calibrated in place by the self-check); max_positions : the positions a stream may reach
+    (a rotary table's rows, or learned absolute positions; None: unbounded); device, dtype : its
+    parameters'.
+    """
+
+    model: PreTrainedModel
+    name: str
+    config: PretrainedConfig
+    dims: dict[str, Any]
+    windows: list[int | None]
+    attending: list[bool]
+    carried: list[int]
+    layer_shapes: list[tuple[int, int, int]] | None
+    rotary: Rotary
+    max_positions: int | None
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, key head dimension) of the memory (the widest layer's where layers differ)."""
+        return self.dims["n_layers"], self.dims["n_kv_heads"], self.dims["head_dim"]
+
+
+def model_facts(model: PreTrainedModel) -> ModelFacts:
+    """Read ``model`` once (:class:`ModelFacts`), after refusing a model whose config says the bounded
+    attention cannot reproduce it (:func:`rmm.integration.check_model`)."""
+    integration.check_model(model)
+    config = model.config.get_text_config()
+    dims = describe_model(model)
+    attends = set(integration.attention_layers(model))
+    device = next(model.parameters()).device
+    rotary = Rotary(model).to(device)
+    return ModelFacts(
+        model=model,
+        name=integration.describe(model),
+        config=config,
+        dims=dims,
+        windows=integration.layer_windows(model),
+        attending=[layer in attends for layer in range(config.num_hidden_layers)],
+        carried=integration.carried_layers(model),
+        layer_shapes=layer_shapes(config),
+        rotary=rotary,
+        max_positions=rotary.max_positions if rotary.candidates else dims["max_position_embeddings"],
+        device=device,
+        dtype=next(model.parameters()).dtype,
+    )
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What a stream of ``policy`` under ``options`` on a model holds and how it decides.
+
+    recording : which buffers the memory holds (:class:`~rmm.recording.RecordingPlan`); capacity : the
+    retained entries per (layer, KV head), an int for all, a [L, H] tensor where they differ (an
+    allocation, or windowed layers the policy leaves alone), None for a position rule or no budget;
+    floor : the adaptive allocation's least per head (None otherwise)."""
+
+    recording: RecordingPlan
+    capacity: int | torch.Tensor | None
+    floor: int | None
+
+
+def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> StreamPlan:
+    """Check that ``policy`` under ``options`` can run exactly on the model of ``facts`` (raises ValueError
+    or :class:`~rmm.errors.UnsupportedModelError` naming the fix) and plan its stream."""
+    positions, scope, allocation = options.positions, options.scope, options.allocation
+    check_allocation(allocation, scope, positions, policy)
+    if allocation != "uniform" and policy.budget is None:
+        raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
+    check_positions(policy, positions)
+    integration.check_positions(facts.model, positions)
+    check_windows(facts.name, facts.windows, policy, scope)
+    # R is the largest per-head capacity under an allocation, and the widest window of a layer the policy
+    # leaves alone (layers=global)
+    recording = recording_plan(policy, positions, allocation, facts.shape[:2])
+    if options.layers == "global" and policy.budget is not None:
+        recording = recording.exempting(facts.windows)
+    check_carried(facts.name, facts.carried, recording, scope)
+    check_latent(facts.config, facts.name, policy, scope)
+    check_layer_shapes(facts.config, facts.name, policy, allocation)
+    if not facts.rotary.candidates and selfcheck.moves_positions(recording):
+        raise UnsupportedModelError(
+            f"{facts.name} has no rotary position embedding (no `inv_freq` buffer, nor a sin/cos table in a "
+            "rotary module), so its keys cannot move to other positions, which "
+            f"positions={positions} with policy {policy.name} needs; use positions=original with a "
+            "policy that reads no keys or queries"
+        )
+    capacity: int | torch.Tensor | None = None
+    floor = None
+    if policy.budget is not None and recording.rule is None:  # a score-based policy
+        capacity = policy.capacity
+        if allocation == "pyramid":
+            capacity = capacities(allocation, policy.capacity, policy.protected, *facts.shape[:2])
+        elif allocation == "adaptive":
+            floor = adaptive_floor(policy.capacity)
+        if recording.exempt:  # a windowed layer keeps all its window shows
+            per_layer = torch.tensor([recording.retained if e else policy.capacity for e in recording.exempt])
+            capacity = per_layer[:, None].expand(facts.shape[:2]).clone()
+    if isinstance(capacity, torch.Tensor):
+        capacity = capacity.to(facts.device)
+    return StreamPlan(recording, capacity, floor)
+
+
+def layer_entries(
+    budget: int, windows: list[int | None], exempt: tuple[bool, ...], attending: list[bool] | None = None
+) -> list[int]:
+    """Past entries each layer holds at most: B, or min(B, w) for a layer whose window shows w past entries
+    (its budget beyond w is never used), or w for a windowed layer the policy leaves alone; 0 for a layer
+    that does not attend (``attending``: per layer; default every layer attends)."""
+    return [
+        0
+        if attending is not None and not attending[layer]
+        else budget
+        if w is None
+        else (w if exempt and exempt[layer] else min(budget, w))
+        for layer, w in enumerate(windows)
+    ]
+
+
+def check_carried(name: str, carried: list[int], plan: RecordingPlan, scope: str) -> None:
+    """Refuse what a model ``name`` with recurrent or convolutional mixers (``carried``: their layers)
+    cannot do with a score-based policy: one set across all layers (``scope=global``; its mixers hold no
+    entries), or the gradient utility (the reference does not carry a hybrid model's state through it)."""
+    if not carried or plan.rule is not None:
+        return
+    if scope == "global":
+        raise UnsupportedModelError(
+            f"{name} has layers that hold no attention entries (recurrent or convolutional mixers), so one "
+            "set cannot be shared across all layers; use scope=head or scope=layer"
+        )
+    if plan.track_gradient:
+        raise UnsupportedModelError(
+            f"the gradient utility (rmm's weight=gradient) on {name}, whose mixers carry state across "
+            "chunks, is not checked against the reference; use another weight"
+        )
+
+
+# what a policy may read (its ``needs``) that multi-head latent attention's own cache does not hold
+PER_HEAD_ENTRIES = frozenset({"keys", "values", "output_projection"})
+
+
+def check_latent(config: PretrainedConfig, name: str, policy: Policy, scope: str) -> None:
+    """Refuse what a score-based policy cannot honour under multi-head latent attention (a model ``name``
+    of text config ``config``), whose own cache keeps one latent per token and layer that every head
+    expands into its own key and value: sets per head (``scope=head``: the latents kept would be the union
+    of the heads' sets, so the budget would bound nothing the model stores), and policies that read the
+    expanded per-head keys or values (the model never stores them, and the reference, which holds the
+    latents, has no rule for them). Needs the config only: the runner calls it before the weights load."""
+    if not isinstance(policy, ScorePolicy) or not latent_attention(config):
+        return
+    if scope == "head":
+        raise UnsupportedModelError(
+            f"{name} uses multi-head latent attention: its cache keeps one latent per token and layer for "
+            "all heads, so sets chosen per head (scope=head) would keep the union of the heads' sets and "
+            "the budget would not bound what the model stores; use scope=layer or scope=global"
+        )
+    reads = sorted(PER_HEAD_ENTRIES & set(policy.needs))
+    if reads:
+        raise UnsupportedModelError(
+            f"policy {policy.name} reads {', '.join(reads)}, but {name} uses multi-head latent attention, "
+            "whose cache holds a latent per token, not the per-head keys and values transformers expands "
+            "from it (no reference rule reads those); use a policy that reads attention or positions only"
+        )
+
+
+# what a policy may read that the memory holds padded to the widest layer under per-layer shapes
+PADDED_ENTRIES = frozenset({"keys", "values", "queries", "output_projection", "gradient"})
+
+
+def check_layer_shapes(config: PretrainedConfig, name: str, policy: Policy, allocation: str) -> None:
+    """Refuse what a score-based policy cannot honour on a model ``name`` (text config ``config``) whose
+    layers differ in shape or share keys and values. KV sharing (:func:`~rmm.models.kv_shared_layers`):
+    the model stores a shared layer's keys once, but the slot memory holds a copy per layer that reads
+    them, which a score-based policy would evict on its own (position rules keep the same positions in
+    every copy). Per-layer shapes (:func:`~rmm.models.layer_shapes`): the memory holds every layer at
+    the widest layer's KV heads and head dimension, zero-padded, so policies that read keys, values,
+    queries, W_o or gradients (no reference rule checks them there) are refused, and so is
+    ``allocation=adaptive`` where the layers' KV heads differ (its room per layer counts every head).
+    Needs the config only: the runner calls it before the weights load."""
+    if not isinstance(policy, ScorePolicy):
+        return
+    shared = kv_shared_layers(config)
+    if shared:
+        raise UnsupportedModelError(
+            f"{name} shares keys and values across layers (layers {shared[0]}-{shared[-1]} reuse an earlier "
+            "layer's, KV sharing): the model stores them once, but the slot memory holds a copy per reading "
+            f"layer, which policy {policy.name} would evict on its own; use a position rule (full, window, "
+            "streaming_llm), which keeps the same positions in every copy"
+        )
+    shapes = layer_shapes(config)
+    if shapes is None:
+        return
+    reads = sorted(PADDED_ENTRIES & set(policy.needs))
+    if reads:
+        raise UnsupportedModelError(
+            f"policy {policy.name} reads {', '.join(reads)}, but {name} has per-layer head shapes, which the "
+            "slot memory holds zero-padded to the widest layer (no reference rule reads them there); use a "
+            "policy that reads attention or positions only"
+        )
+    if allocation == "adaptive" and len({shape[0] for shape in shapes}) > 1:
+        raise UnsupportedModelError(
+            f"{name} has layers with different numbers of KV heads, but allocation=adaptive gives each layer "
+            "room for every head the memory holds; use allocation=uniform or pyramid"
+        )
+
+
+def check_windows(name: str, layer_windows: list[int | None], policy: Policy, scope: str) -> None:
+    """Refuse what a model ``name``'s own windows (sliding or chunked layers) and a score-based policy
+    cannot do together: one set shared across layers (``scope=global``), or a policy that reads entries
+    further back than a window keeps them (its ``lookback``)."""
+    windows = [w for w in layer_windows if w is not None]
+    if not windows or not isinstance(policy, ScorePolicy):
+        return
+    if scope == "global":
+        raise UnsupportedModelError(
+            f"{name} has windowed layers, whose entries leave as the window passes, so one set cannot be "
+            "shared across all layers; use scope=head or scope=layer"
+        )
+    if min(windows) < policy.lookback:
+        raise UnsupportedModelError(
+            f"policy {policy.name} reads entries up to {policy.lookback} positions behind a boundary, but "
+            f"{name} has a layer that attends only {min(windows)} past positions; choose smaller "
+            "policy parameters (e.g. policy.partition) or another policy"
+        )
