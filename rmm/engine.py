@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from rmm import integration, selfcheck
 from rmm.errors import UnsupportedModelError
 from rmm.memory import RowView, SlotMemory, record_gradients
+from rmm.metrics import StreamResult
 from rmm.options import StreamOptions
 from rmm.planning import model_facts, plan_stream
 from rmm.policies import Observation, Policy
@@ -40,34 +41,6 @@ DecisionHook = Callable[[RowView, Observation, int, torch.Tensor], None]
 ChunkHook = Callable[[int, torch.Tensor], None]
 # called after each decision: (the stream's view of the memory, now, evicted [L, H, S] with -1 where kept)
 BoundaryHook = Callable[[RowView, int, torch.Tensor], None]
-
-
-@dataclass
-class StreamResult:
-    """Per-token outcome of one stream of n tokens.
-
-    nll : [n - 1] float32, -log p(x_{p} | query p-1) for p = 1..n-1.
-    correct : [n - 1] bool, argmax of query p-1 equals x_p.
-    margin : [n - 1] float32, top-1 minus top-2 log-probability of query p-1: how near ``correct`` was
-        to flipping (:mod:`rmm.divergence`).
-    boundaries : [K] long, the positions ``now`` of a score-based policy's K decisions.
-    decisions : [K, L, H] float32, each decision's relative margin per (layer, KV head)
-        (:func:`rmm.policies.select.decision_margin`); K = 0 for a position rule.
-    digests : [K, L, H] int64, a fingerprint of the set each decision kept per (layer, KV head)
-        (:func:`~rmm.policies.select.kept_digest`).
-    score_digits : the significant digits at which the policy compared its scores (None: unrounded).
-    """
-
-    nll: torch.Tensor
-    correct: torch.Tensor
-    attended_total: float
-    evicted_age_sum: float
-    evicted_count: int
-    margin: torch.Tensor | None = None
-    boundaries: torch.Tensor | None = None
-    decisions: torch.Tensor | None = None
-    digests: torch.Tensor | None = None
-    score_digits: int | None = None
 
 
 class StreamingEngine:

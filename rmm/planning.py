@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from rmm import integration, selfcheck
+from rmm import integration
 from rmm.errors import UnsupportedModelError
 from rmm.models import describe_model, kv_shared_layers, latent_attention, layer_shapes
 from rmm.options import StreamOptions
@@ -111,7 +111,7 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
     check_carried(facts.name, facts.carried, recording, scope)
     check_latent(facts.config, facts.name, policy, scope)
     check_layer_shapes(facts.config, facts.name, policy, allocation)
-    if not facts.rotary.candidates and selfcheck.moves_positions(recording):
+    if not facts.rotary.candidates and recording.moves_positions:
         raise UnsupportedModelError(
             f"{facts.name} has no rotary position embedding (no `inv_freq` buffer, nor a sin/cos table in a "
             "rotary module), so its keys cannot move to other positions, which "

@@ -87,6 +87,11 @@ class RecordingPlan:
         retained = None if self.retained is None else max(self.retained, widest)
         return replace(self, exempt=exempt, retained=retained)
 
+    @property
+    def moves_positions(self) -> bool:
+        """Whether a stream under this plan rotates keys or queries to positions other than the model's."""
+        return self.store_unrotated or self.raw_keys or self.record_queries or self.n_sink_slots > 0
+
     def observed(self) -> RecordingPlan:
         """The plan with attention recorded for an observer of every chunk."""
         return replace(self, record_attention=True)

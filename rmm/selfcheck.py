@@ -101,7 +101,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     start = time.perf_counter()
     try:
         probe = tokens[: probe_length(engine, tokens.numel())].to(engine.device)
-        rotations = _check_rotation(engine, probe) if moves_positions(engine.plan) else {}
+        rotations = _check_rotation(engine, probe) if engine.plan.moves_positions else {}
         difference, step, in_batch = _check_stream(engine, probe)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{integration.describe(model)} failed the self-check: {err}") from err
@@ -154,11 +154,6 @@ def probe_length(engine: Checkable, n_tokens: int) -> int:
     windows = [w for w in integration.layer_windows(engine.model) if w is not None and w < n_tokens]
     length = max([PROBE_TOKENS] + [w + max(w // PROBE_PASSES, 8) for w in windows])
     return min(n_tokens, length)
-
-
-def moves_positions(plan: RecordingPlan) -> bool:
-    """Whether a stream under ``plan`` rotates keys or queries to positions other than the model's."""
-    return plan.store_unrotated or plan.raw_keys or plan.record_queries or plan.n_sink_slots > 0
 
 
 def _unlimited(plan: RecordingPlan, chunk: int, **changes) -> RecordingPlan:
