@@ -119,6 +119,19 @@ def study_rows(root: Path, lag: int) -> list[dict]:
                     "share_ci_high": share[2],
                 }
             )
+        if {"restkv", "restkv_official"} <= set(by_arm):  # the two ReST-KVs paired directly
+            result = compare(by_arm["restkv"], by_arm["restkv_official"])
+            rows.append(
+                {
+                    "budget": int(budget),
+                    "arm": "restkv_official / restkv",
+                    "ratio": result["ppl_ratio"],
+                    "ratio_ci_low": result["ppl_ratio_ci_low"],
+                    "ratio_ci_high": result["ppl_ratio_ci_high"],
+                    "docs_better": result["docs_b_better"],
+                    "n_docs": result["n_docs"],
+                }
+            )
     return rows
 
 
@@ -147,7 +160,8 @@ def markdown(tables: dict[str, list[dict]]) -> str:
         gap_resolved = {  # the smoother's ratio to h2o excludes 1: a gap to take a share of
             r["budget"]: r["ratio_ci_high"] < 1 for r in rows if r["arm"] == "smoother"
         }
-        for r in rows:
+        pairs = [r for r in rows if " / " in r["arm"]]
+        for r in (r for r in rows if " / " not in r["arm"]):
             ratio_mark = "*" if r["ratio_ci_low"] > 1 or r["ratio_ci_high"] < 1 else ""
             share_mark = "*" if r["share_ci_low"] > 0 or r["share_ci_high"] < 0 else ""
             ratio = f"{r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]{ratio_mark}"
@@ -158,6 +172,12 @@ def markdown(tables: dict[str, list[dict]]) -> str:
                 share = "no gap: the smoother does not resolve from h2o"
             docs = f"{r['docs_better']}/{r['n_docs']}"
             lines.append(f"| {r['budget']} | {r['arm']} | {r['ppl']:.2f} | {ratio} | {docs} | {share} |")
+        if pairs:
+            lines += ["", "| B | restkv_official / restkv (paired) | docs |", "|---:|---:|---:|"]
+        for r in pairs:
+            mark = "*" if r["ratio_ci_low"] > 1 or r["ratio_ci_high"] < 1 else ""
+            ratio = f"{r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]{mark}"
+            lines.append(f"| {r['budget']} | {ratio} | {r['docs_better']}/{r['n_docs']} |")
     return "\n".join(lines) + "\n"
 
 
