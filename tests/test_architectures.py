@@ -1,8 +1,8 @@
-"""The architecture matrix (rmm/architectures.py): every causal LM type of transformers' registry, built
+"""The architecture matrix (checks/architectures.py): every causal LM type of transformers' registry, built
 tiny and streamed, is exact (against its own forward pass and the reference) or refused, never wrong.
 
 The types come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` at collection, so a model type that a new
-transformers adds gets its own test without a code change. ``python -m rmm.architectures`` prints the
+transformers adds gets its own test without a code change. ``python -m checks.architectures`` prints the
 same matrix as a table (docs/models.md).
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import record_max
 
-from rmm.architectures import (
+from checks.architectures import (
     BUDGET,
     CHUNK,
     PASSING,
@@ -89,9 +89,9 @@ def test_tiny_configs_are_small_and_keep_the_layer_kinds():
 
 def test_the_table_is_sorted_and_counted(tmp_path, capsys):
     rows = [Row("b", "refused", "no | way"), Row("a", "exact", "", 1e-6)]
-    text = table(rows, "python -m rmm.architectures")
+    text = table(rows, "python -m checks.architectures")
     assert text.index("| a | exact") < text.index("| b | refused | no / way |")
-    assert "2 types: exact: 1, refused: 1" in text and "Made by `python -m rmm.architectures`" in text
+    assert "2 types: exact: 1, refused: 1" in text and "Made by `python -m checks.architectures`" in text
     out = tmp_path / "matrix.md"
     assert main(["--types", "gpt2", "--out", str(out)]) == 0
     assert "| gpt2 | refused |" in out.read_text() and "--types gpt2" in out.read_text()

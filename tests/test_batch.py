@@ -290,7 +290,7 @@ def test_a_padded_pass_past_the_position_table_is_refused():
     naming the fix, instead of indexing past the table. C = 3: documents of 511 tokens, 2 tokens (it ends
     after one pass, and the third takes its row one pass late) and 512 tokens; the first's last chunk
     (position 510, 1 token) shares a pass with the third's 3-token chunk at 507, padded to reach 512."""
-    from rmm.architectures import tiny_model as registry_model
+    from checks.architectures import tiny_model as registry_model
 
     model = registry_model("gptj")
     assert model.config.max_position_embeddings == 512

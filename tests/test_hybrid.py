@@ -15,9 +15,9 @@ import torch
 from conftest import record_max
 from transformers import DynamicCache, Lfm2Config, Lfm2ForCausalLM, PreTrainedModel
 
+from checks.architectures import own_nll
+from checks.architectures import tiny_model as registry_model
 from rmm import evaluate, integration
-from rmm.architectures import own_nll
-from rmm.architectures import tiny_model as registry_model
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.matrix import TINY, sampled_stream, set_recorder

@@ -18,9 +18,9 @@ from conftest import record_max
 from hydra import compose, initialize_config_dir
 from transformers import PreTrainedModel
 
+from checks.architectures import own_nll
+from checks.architectures import tiny_model as registry_model
 from rmm import evaluate, runner
-from rmm.architectures import own_nll
-from rmm.architectures import tiny_model as registry_model
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.files import config_dir

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma4TextConfig
 
 import rmm
-from rmm.architectures import TOLERANCE
+from checks.architectures import TOLERANCE
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.policies import make_policy

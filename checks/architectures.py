@@ -15,7 +15,7 @@ overrides) and classified by :func:`classify`:
 * ``skipped``: the type cannot be built small (or its check timed out).
 * ``WRONG``: a mismatch without a refusal, the worst outcome; ``CRASH``: any other exception.
 
-``python -m rmm.architectures [--types a,b] [--out docs/models.md] [--update]`` prints the table (and
+``python -m checks.architectures [--types a,b] [--out docs/models.md] [--update]`` prints the table (and
 writes it between the matrix markers of docs/models.md; with ``--update`` only the rows of ``--types``
 change there, the others are kept as the file has them).
 """
@@ -557,7 +557,9 @@ def read_rows(path: Path) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rmm.architectures", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m checks.architectures", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--types", help="comma-separated model types (default: every causal LM type)")
     parser.add_argument("--out", help="write the table here too (between the matrix markers if it has them)")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per type")
@@ -575,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    command = "python -m rmm.architectures" + "".join(
+    command = "python -m checks.architectures" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:])
     )
     wall_s = time.perf_counter() - start
