@@ -21,7 +21,7 @@ from rmm.errors import UnsupportedModelError
 from rmm.memory import RowView, SlotMemory, record_gradients
 from rmm.metrics import StreamResult
 from rmm.options import StreamOptions
-from rmm.planning import model_facts, plan_stream
+from rmm.planning import model_facts, plan_stream, policy_constants
 from rmm.policies import Observation, Policy
 from rmm.policies.select import (
     decision_margin,
@@ -64,17 +64,10 @@ class StreamingEngine:
         options: StreamOptions | None = None,
         **fields: str | int,
     ):
-        if options is None:
-            options = StreamOptions(**fields)  # type: ignore[arg-type]
-        elif not isinstance(options, StreamOptions):
-            raise TypeError(
-                f"options must be a StreamOptions (or give positions=, scope=, ...), got {options!r}"
-            )
-        elif fields:
-            raise TypeError("give the stream options as options= or as keywords, not both")
-        facts = model_facts(model)
+        self.options = options = StreamOptions.given(options, **fields)
+        self.facts = facts = model_facts(model)
         plan = plan_stream(policy, options, facts)
-        self.model, self.policy, self.options, self.facts = model, policy, options, facts
+        self.model, self.policy = model, policy
         # what the plan says, and the facts the memory and the passes read
         self.plan, self.capacity, self.floor = plan.recording, plan.capacity, plan.floor
         self.windows, self.attending, self.carried = facts.windows, facts.attending, facts.carried
@@ -83,12 +76,7 @@ class StreamingEngine:
         self.rotary, self.max_positions = facts.rotary, facts.max_positions
         self.device, self.dtype = facts.device, facts.dtype
         self.state_bytes = 0  # one stream's recurrent and convolutional state (measured at the first pass)
-        # model constants a policy may declare in `needs`, read once and handed to every observation
-        self.constants: dict[str, object] = {}
-        if "output_projection" in getattr(policy, "needs", ()):
-            self.constants["output_projection"] = integration.output_projections(model).to(self.device)
-        if "rotation" in getattr(policy, "needs", ()):
-            self.constants["rotary"] = self.rotary  # calibrated in place by the self-check
+        self.constants = policy_constants(policy, facts)  # handed to every observation
         self.checked: SelfCheck | None = None
 
     def self_check(self, tokens: torch.Tensor) -> SelfCheck:

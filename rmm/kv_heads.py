@@ -27,6 +27,21 @@ def _repeat_rows(weight: torch.Tensor, n_kv: int, group: int) -> torch.Tensor:
     return heads.repeat_interleave(group, dim=0).reshape(-1, *weight.shape[1:])
 
 
+def _repeated(old: nn.Linear, n_kv: int, group: int) -> nn.Linear:
+    """A projection of n_kv heads as one of n_kv * G heads, each head's rows repeated G times in a row."""
+    new = nn.Linear(
+        old.in_features,
+        old.out_features * group,
+        bias=old.bias is not None,
+        device=old.weight.device,
+        dtype=old.weight.dtype,
+    )
+    new.weight.data.copy_(_repeat_rows(old.weight.data, n_kv, group))
+    if old.bias is not None:
+        new.bias.data.copy_(_repeat_rows(old.bias.data, n_kv, group))
+    return new.requires_grad_(old.weight.requires_grad)
+
+
 def repeat_kv_heads(model: PreTrainedModel) -> PreTrainedModel:
     """Rewrite ``model`` in place so that it has as many KV heads as query heads (see the module docstring).
 
@@ -58,19 +73,7 @@ def repeat_kv_heads(model: PreTrainedModel) -> PreTrainedModel:
         )
     for module in modules:
         for name in ("k_proj", "v_proj"):
-            old = getattr(module, name)
-            new = nn.Linear(
-                old.in_features,
-                n_heads * head_dim,
-                bias=old.bias is not None,
-                device=old.weight.device,
-                dtype=old.weight.dtype,
-            )
-            new.weight.data.copy_(_repeat_rows(old.weight.data, n_kv, group))
-            if old.bias is not None:
-                new.bias.data.copy_(_repeat_rows(old.bias.data, n_kv, group))
-            new.requires_grad_(old.weight.requires_grad)
-            setattr(module, name, new)
+            setattr(module, name, _repeated(getattr(module, name), n_kv, group))
         if hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = 1
         if hasattr(module, "num_key_value_heads"):

@@ -54,6 +54,19 @@ class StreamOptions:
             )
 
     @classmethod
+    def given(cls, options: StreamOptions | None = None, **fields: Any) -> StreamOptions:
+        """``options``, or the options of ``fields`` (keywords: ``positions="cache"``), never both."""
+        if options is None:
+            return cls(**fields)
+        if not isinstance(options, StreamOptions):
+            raise TypeError(
+                f"options must be a StreamOptions (or give positions=, scope=, ...), got {options!r}"
+            )
+        if fields:
+            raise TypeError("give the stream options as options= or as keywords, not both")
+        return options
+
+    @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> StreamOptions:
         """The options of a run config (``allocation``, ``layers`` and ``batch`` optional: configs written
         before them)."""

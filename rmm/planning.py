@@ -93,6 +93,19 @@ class StreamPlan:
     floor: int | None
 
 
+def policy_constants(policy: Policy, facts: ModelFacts) -> dict[str, object]:
+    """The model constants ``policy`` declares in its ``needs``, read once: ``output_projection`` (W_o per
+    layer and head, :func:`rmm.integration.output_projections`) and ``rotary`` (the model's rotations,
+    calibrated in place by the self-check)."""
+    needs = getattr(policy, "needs", ())
+    constants: dict[str, object] = {}
+    if "output_projection" in needs:
+        constants["output_projection"] = integration.output_projections(facts.model).to(facts.device)
+    if "rotation" in needs:
+        constants["rotary"] = facts.rotary
+    return constants
+
+
 def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> StreamPlan:
     """Check that ``policy`` under ``options`` can run exactly on the model of ``facts`` (raises ValueError
     or :class:`~rmm.errors.UnsupportedModelError` naming the fix) and plan its stream."""
