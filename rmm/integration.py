@@ -41,7 +41,6 @@ from transformers.cache_utils import (
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from rmm.errors import UnsupportedModelError
-from rmm.models import describe_model
 
 if TYPE_CHECKING:
     from rmm.memory import SlotMemory
@@ -491,7 +490,6 @@ def check_model(model: PreTrainedModel) -> None:
     """
     config = model.config.get_text_config()
     name = describe(model)
-    describe_model(model)  # one number of layers, heads and head dimension, or refused
     alibi = getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi"
     if alibi or config.model_type in ALIBI_MODEL_TYPES:
         raise UnsupportedModelError(

@@ -57,9 +57,9 @@ class ModelFacts:
 def model_facts(model: PreTrainedModel) -> ModelFacts:
     """Read ``model`` once (:class:`ModelFacts`), after refusing a model whose config says the bounded
     attention cannot reproduce it (:func:`rmm.integration.check_model`)."""
+    dims = describe_model(model)  # one number of layers, heads and head dimension, or refused
     integration.check_model(model)
     config = model.config.get_text_config()
-    dims = describe_model(model)
     attends = set(integration.attention_layers(model))
     device = next(model.parameters()).device
     rotary = Rotary(model).to(device)

@@ -125,6 +125,7 @@ def study_rows(root: Path, lag: int) -> list[dict]:
                 {
                     "budget": int(budget),
                     "arm": "restkv_official / restkv",
+                    "paired": True,
                     "ratio": result["ppl_ratio"],
                     "ratio_ci_low": result["ppl_ratio_ci_low"],
                     "ratio_ci_high": result["ppl_ratio_ci_high"],
@@ -160,8 +161,8 @@ def markdown(tables: dict[str, list[dict]]) -> str:
         gap_resolved = {  # the smoother's ratio to h2o excludes 1: a gap to take a share of
             r["budget"]: r["ratio_ci_high"] < 1 for r in rows if r["arm"] == "smoother"
         }
-        pairs = [r for r in rows if " / " in r["arm"]]
-        for r in (r for r in rows if " / " not in r["arm"]):
+        pairs = [r for r in rows if r.get("paired")]
+        for r in (r for r in rows if not r.get("paired")):
             ratio_mark = "*" if r["ratio_ci_low"] > 1 or r["ratio_ci_high"] < 1 else ""
             share_mark = "*" if r["share_ci_low"] > 0 or r["share_ci_high"] < 0 else ""
             ratio = f"{r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]{ratio_mark}"
