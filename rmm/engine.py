@@ -85,7 +85,7 @@ class StreamingEngine:
         if self.max_positions is not None and tokens.numel() > self.max_positions:
             what = "a rotary sin/cos table of" if self.rotary.candidates else "learned positions up to"
             raise UnsupportedModelError(
-                f"{integration.describe(self.model)} has {what} {self.max_positions} positions, but a stream "
+                f"{integration.name_of(self.model)} has {what} {self.max_positions} positions, but a stream "
                 f"has {tokens.numel()} tokens; cut the documents "
                 f"(dataset.max_tokens<={self.max_positions}, or max_tokens=)"
             )
@@ -210,7 +210,7 @@ class StreamingEngine:
         reach = max(start + width for start, length in zip(starts, lengths, strict=True) if length < width)
         if self.max_positions is not None and reach > self.max_positions:
             raise UnsupportedModelError(
-                f"{integration.describe(self.model)} has a table of {self.max_positions} positions, but a "
+                f"{integration.name_of(self.model)} has a table of {self.max_positions} positions, but a "
                 f"document's last chunk, padded to the {width} tokens of the batch's pass, reaches position "
                 f"{reach - 1}; cut the documents to a multiple of the chunk below {self.max_positions} "
                 "tokens, or use batch=1"
@@ -249,7 +249,7 @@ class StreamingEngine:
             padded = [s for s, n in zip(rows, lengths, strict=True) if n < max(lengths)]
             if self.carried and any(s.step + 1 < len(s.schedule) for s in padded):
                 raise UnsupportedModelError(
-                    f"{integration.describe(self.model)} carries recurrent state, which padding a chunk "
+                    f"{integration.name_of(self.model)} carries recurrent state, which padding a chunk "
                     "before a stream's last would change; stream its documents with batch=1"
                 )
         position_ids = memory.begin_chunk(starts, lengths)  # [N, Q]

@@ -426,7 +426,7 @@ def install(model: PreTrainedModel) -> Iterator[None]:
     if config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(previous)
         raise UnsupportedModelError(
-            f"{describe(model)} did not switch to the attention function {ATTENTION_NAME!r} (it keeps "
+            f"{name_of(model)} did not switch to the attention function {ATTENTION_NAME!r} (it keeps "
             f"{config._attn_implementation!r}), so the memory would never be read; this model is not "
             "supported"
         )
@@ -448,7 +448,7 @@ def active(memory: SlotMemory) -> Iterator[None]:
         _ACTIVE.pop()
 
 
-def describe(model: PreTrainedModel) -> str:
+def name_of(model: PreTrainedModel) -> str:
     """``ClassName (model_type)`` for messages."""
     return f"{type(model).__name__} ({model.config.get_text_config().model_type})"
 
@@ -489,7 +489,7 @@ def check_model(model: PreTrainedModel) -> None:
     Raises :class:`UnsupportedModelError` naming the reason.
     """
     config = model.config.get_text_config()
-    name = describe(model)
+    name = name_of(model)
     alibi = getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi"
     if alibi or config.model_type in ALIBI_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -529,7 +529,7 @@ def check_positions(model: PreTrainedModel, positions: str) -> None:
     length_dependent = sorted(rope_types & LENGTH_DEPENDENT_ROPE)
     if length_dependent:
         raise UnsupportedModelError(
-            f"{describe(model)} uses {length_dependent[0]} RoPE, whose frequencies change with the sequence "
+            f"{name_of(model)} uses {length_dependent[0]} RoPE, whose frequencies change with the sequence "
             "length, so "
             "keys re-rotated to their cache rank would not match the model's own rotation; use "
             "positions=original, or a model with static RoPE scaling"
@@ -562,14 +562,14 @@ def carried_layers(model: PreTrainedModel) -> list[int]:
         layers = DynamicCache(config=model.config).layers
     except Exception as err:
         raise UnsupportedModelError(
-            f"{describe(model)} has layers that are not attention ({', '.join(sorted(kinds))}) whose state "
+            f"{name_of(model)} has layers that are not attention ({', '.join(sorted(kinds))}) whose state "
             f"transformers' DynamicCache cannot hold ({type(err).__name__}: {err}), so it would restart at "
             "every chunk; this model is not supported"
         ) from err
     unknown = sorted({type(layer).__name__ for layer in layers} - _known_cache_layers())
     if unknown:
         raise UnsupportedModelError(
-            f"{describe(model)} has cache layers {', '.join(unknown)}, which the harness neither carries as "
+            f"{name_of(model)} has cache layers {', '.join(unknown)}, which the harness neither carries as "
             "recurrent state nor replaces by its slot memory; this model is not supported"
         )
     return [i for i, layer in enumerate(layers) if isinstance(layer, CARRIED_CACHE_LAYERS)]

@@ -65,7 +65,7 @@ def model_facts(model: PreTrainedModel) -> ModelFacts:
     rotary = Rotary(model).to(device)
     return ModelFacts(
         model=model,
-        name=integration.describe(model),
+        name=integration.name_of(model),
         config=config,
         dims=dims,
         windows=integration.layer_windows(model),

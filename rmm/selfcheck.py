@@ -104,10 +104,10 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
         rotations = _check_rotation(engine, probe) if engine.plan.moves_positions else {}
         difference, step, in_batch = _check_stream(engine, probe)
     except UnsupportedModelError as err:
-        raise UnsupportedModelError(f"{integration.describe(model)} failed the self-check: {err}") from err
+        raise UnsupportedModelError(f"{integration.name_of(model)} failed the self-check: {err}") from err
     except Exception as err:  # anything the probe trips over is a refusal, never a crash mid-run
         raise UnsupportedModelError(
-            f"{integration.describe(model)} failed the self-check: streaming the probe raised "
+            f"{integration.name_of(model)} failed the self-check: streaming the probe raised "
             f"{type(err).__name__}: {err}"
         ) from err
     tolerance = TOLERANCE.get(engine.dtype, 1e-4)
@@ -116,7 +116,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     measured, what = (max_dnll, "per-token NLL") if per_token else (max(pass_means), "a pass's mean NLL")
     if not measured <= tolerance:
         raise UnsupportedModelError(
-            f"{integration.describe(model)} failed the self-check: the probe streamed with an unlimited "
+            f"{integration.name_of(model)} failed the self-check: the probe streamed with an unlimited "
             f"budget gives {what} up to {measured:.3g} nats from the model's own forward pass (tolerance "
             f"{tolerance:g}), so the bounded attention does not reproduce this model's attention"
         )
@@ -126,7 +126,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
         batch_dnll = batch_max if per_token else max(batch_means)
         if not batch_dnll <= tolerance:
             raise UnsupportedModelError(
-                f"{integration.describe(model)} failed the self-check: the probe streamed beside its reverse "
+                f"{integration.name_of(model)} failed the self-check: the probe streamed beside its reverse "
                 f"in one batch gives {what} up to {batch_dnll:.3g} nats from the probe streamed alone "
                 f"(tolerance {tolerance:g}): the model's batch rows interact; run it with batch=1"
             )
