@@ -44,8 +44,9 @@ from checks.time_model import GPUS, Hardware, ModelShape, StreamShape, schedule_
 from rmm import sharing
 from rmm.lookahead import configured_reference_context
 from rmm.models import architecture, config_from_architecture, resolve_dtype
+from rmm.planning import recording_plan
 from rmm.policies import make_policy
-from rmm.recording import RecordingPlan, recording_plan
+from rmm.recording import RecordingPlan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 REFERENCE_CHUNK = 256  # rmm.lookahead.record_future's default chunk

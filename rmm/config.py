@@ -119,8 +119,7 @@ def check_run(cfg: Mapping[str, Any]) -> None:
     check_config(cfg)
     from rmm.data import check_dataset
     from rmm.policies import make_policy
-    from rmm.policies.select import check_allocation
-    from rmm.recording import check_positions
+    from rmm.policies.select import check_allocation, check_positions
 
     check_dataset(cfg["dataset"])
     policy = make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])

@@ -170,8 +170,8 @@ def ranks_keys(name: str) -> bool:
 def runs_under(name: str, params: dict, positions: str) -> bool:
     """Whether the case runs under ``positions`` (a policy that scores keys as cached, kvpress's keydiff
     and lagkv, needs ``positions=original``)."""
+    from rmm.planning import recording_plan
     from rmm.policies import make_policy
-    from rmm.recording import recording_plan
 
     try:
         recording_plan(make_policy({"name": name, **params}, budget=1024, chunk=1), positions)

@@ -104,7 +104,7 @@ class SlotMemory:
 
     Parameters
     ----------
-    plan : which buffers exist (:func:`rmm.recording.recording_plan`).
+    plan : which buffers exist (:func:`rmm.planning.recording_plan`).
     shape : (n_layers, n_kv_heads, head_dim) of the keys.
     retained : R, slots for entries kept across boundaries (B for position rules, B - C + 1 otherwise, or
         the largest per-head capacity under a non-uniform budget allocation).

@@ -5,7 +5,7 @@
 (:func:`rmm.config.check_config`) runs it before torch loads. What depends on the policy or the model as
 well (an allocation a position rule cannot use, cache positions for a policy that reads cached keys) is
 checked where those are known: :func:`rmm.policies.select.check_allocation`,
-:func:`rmm.recording.check_positions`, the engine's model checks.
+:func:`rmm.policies.select.check_positions`, the engine's model checks.
 """
 
 from __future__ import annotations

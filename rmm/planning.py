@@ -16,9 +16,9 @@ from rmm import integration
 from rmm.errors import UnsupportedModelError
 from rmm.models import describe_model, kv_shared_layers, latent_attention, layer_shapes
 from rmm.options import StreamOptions
-from rmm.policies import Policy, ScorePolicy
-from rmm.policies.select import adaptive_floor, capacities, check_allocation
-from rmm.recording import RecordingPlan, check_positions, recording_plan
+from rmm.policies import Policy, PositionRule, ScorePolicy
+from rmm.policies.select import adaptive_floor, capacities, check_allocation, check_positions, retained_slots
+from rmm.recording import RecordingPlan
 from rmm.rotary import Rotary
 
 
@@ -145,6 +145,52 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
     if isinstance(capacity, torch.Tensor):
         capacity = capacity.to(facts.device)
     return StreamPlan(recording, capacity, floor)
+
+
+def recording_plan(
+    policy: Policy, positions: str, allocation: str = "uniform", shape: tuple[int, int] | None = None
+) -> RecordingPlan:
+    """The recording plan of ``policy`` under ``positions`` (``original`` or ``cache``) and the budget
+    ``allocation`` over ``shape`` = (n_layers, n_kv_heads) (needed unless ``allocation`` is uniform)."""
+    check_positions(policy, positions)
+    retained = None if policy.budget is None else policy.capacity
+    if isinstance(policy, PositionRule):
+        return RecordingPlan(
+            rule=policy.allowed,
+            retained=retained,
+            decision_chunk=policy.chunk,
+            record_attention=False,
+            record_queries=False,
+            raw_keys=False,
+            store_unrotated=False,
+            track_gradient=False,
+            n_sink_slots=policy.sink_positions if positions == "cache" else 0,
+            sink_rank=policy.budget,
+            state_names=(),
+        )
+    if not isinstance(policy, ScorePolicy):
+        raise TypeError(f"{type(policy).__name__} must derive from PositionRule or ScorePolicy")
+    if retained is not None and allocation != "uniform":
+        if shape is None:
+            raise ValueError(f"allocation={allocation} needs the model's (n_layers, n_kv_heads)")
+        retained = retained_slots(allocation, retained, policy.protected, *shape)
+    needs = policy.needs
+    store_unrotated = positions == "cache"
+    return RecordingPlan(
+        rule=None,
+        retained=retained,
+        decision_chunk=policy.chunk,
+        # the gradient utility is built from the attention probabilities
+        record_attention=bool({"attention", "gradient"} & needs),
+        record_queries="queries" in needs,
+        # a policy that reads the keys as cached reads the memory's own (rotated) keys
+        raw_keys="keys" in needs and not store_unrotated and not policy.cached_keys,
+        store_unrotated=store_unrotated,
+        track_gradient="gradient" in needs,
+        n_sink_slots=0,
+        sink_rank=policy.budget,
+        state_names=tuple(policy.state_names),
+    )
 
 
 def layer_entries(

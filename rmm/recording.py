@@ -1,8 +1,8 @@
 """The recording plan of a stream: which buffers the slot memory holds and how chunks are streamed.
 
-Derived once from (policy, positions) by :func:`recording_plan`. The engine, the memory
+Derived once from (policy, positions) by :func:`rmm.planning.recording_plan`. The engine, the memory
 (:class:`~rmm.memory.SlotMemory` takes the plan, never the policy) and the memory planner
-(checks/plan.py) all read this one plan, so the rules below are written only here.
+(checks/plan.py) all read this one plan; this module knows no policy.
 """
 
 from __future__ import annotations
@@ -11,10 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-
-from rmm.options import POSITIONS
-from rmm.policies import Policy, PositionRule, ScorePolicy
-from rmm.policies.select import retained_slots
 
 # Position rules decide per query, so their results do not depend on how many tokens one forward pass
 # takes; without recorded attention they stream in chunks of at least this many tokens (the decision
@@ -95,63 +91,3 @@ class RecordingPlan:
     def observed(self) -> RecordingPlan:
         """The plan with attention recorded for an observer of every chunk."""
         return replace(self, record_attention=True)
-
-
-def recording_plan(
-    policy: Policy, positions: str, allocation: str = "uniform", shape: tuple[int, int] | None = None
-) -> RecordingPlan:
-    """The recording plan of ``policy`` under ``positions`` (``original`` or ``cache``) and the budget
-    ``allocation`` over ``shape`` = (n_layers, n_kv_heads) (needed unless ``allocation`` is uniform)."""
-    check_positions(policy, positions)
-    retained = None if policy.budget is None else policy.capacity
-    if isinstance(policy, PositionRule):
-        return RecordingPlan(
-            rule=policy.allowed,
-            retained=retained,
-            decision_chunk=policy.chunk,
-            record_attention=False,
-            record_queries=False,
-            raw_keys=False,
-            store_unrotated=False,
-            track_gradient=False,
-            n_sink_slots=policy.sink_positions if positions == "cache" else 0,
-            sink_rank=policy.budget,
-            state_names=(),
-        )
-    if not isinstance(policy, ScorePolicy):
-        raise TypeError(f"{type(policy).__name__} must derive from PositionRule or ScorePolicy")
-    if retained is not None and allocation != "uniform":
-        if shape is None:
-            raise ValueError(f"allocation={allocation} needs the model's (n_layers, n_kv_heads)")
-        retained = retained_slots(allocation, retained, policy.protected, *shape)
-    needs = policy.needs
-    store_unrotated = positions == "cache"
-    return RecordingPlan(
-        rule=None,
-        retained=retained,
-        decision_chunk=policy.chunk,
-        # the gradient utility is built from the attention probabilities
-        record_attention=bool({"attention", "gradient"} & needs),
-        record_queries="queries" in needs,
-        # a policy that reads the keys as cached reads the memory's own (rotated) keys
-        raw_keys="keys" in needs and not store_unrotated and not policy.cached_keys,
-        store_unrotated=store_unrotated,
-        track_gradient="gradient" in needs,
-        n_sink_slots=0,
-        sink_rank=policy.budget,
-        state_names=tuple(policy.state_names),
-    )
-
-
-def check_positions(policy: Policy, positions: str) -> None:
-    """Refuse an unknown ``positions``, and ``positions=cache`` for a policy that reads keys as cached
-    (:attr:`ScorePolicy.cached_keys`): there the memory holds keys unrotated and rotates them to a new rank
-    at every chunk."""
-    if positions not in POSITIONS:
-        raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-    if positions == "cache" and isinstance(policy, ScorePolicy) and policy.cached_keys:
-        raise ValueError(
-            f"policy {policy.name} with policy.variant={getattr(policy, 'variant', None)} scores the keys "
-            "as the cache holds them at their original positions, which positions=cache does not keep; "
-            "use positions=original"
-        )

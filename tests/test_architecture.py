@@ -86,8 +86,45 @@ def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def levels(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Per module of an acyclic ``graph``, its longest import chain [module, ..., a module importing none]."""
+    chains: dict[str, list[str]] = {}
+
+    def chain(node: str) -> list[str]:
+        if node not in chains:
+            chains[node] = [node, *max((chain(s) for s in sorted(graph[node])), key=len, default=[])]
+        return chains[node]
+
+    return {node: chain(node) for node in graph}
+
+
+def test_the_import_graph_is_at_most_ten_levels_deep():
+    assert len(levels({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}})["a"]) == 3
+    deepest = max(levels({name: imports(name) for name in MODULES}).values(), key=len)
+    assert len(deepest) <= 10, " -> ".join(deepest)
+
+
+def test_no_module_imports_another_only_for_an_exception():
+    """An exception a module raises lives in rmm.errors, not in a module imported for nothing else."""
+    for name in MODULES:
+        taken: dict[str, set[str]] = {}
+        for node in ast.walk(parse(name)):
+            if isinstance(node, ast.ImportFrom) and node.module in MODULES and not node.level:
+                taken.setdefault(node.module, set()).update(alias.name for alias in node.names)
+        for module, names in taken.items():
+            only_errors = all(n.endswith(("Error", "Exception")) for n in names)
+            assert module == "rmm.errors" or not only_errors, f"{name} imports {module} only for {names}"
+
+
 def test_memory_imports_nothing_from_the_policies():
-    policies = {m for m in imports("rmm.memory") if m == "rmm.policies" or m.startswith("rmm.policies.")}
+    """Not even through the modules it imports: the memory never sees a policy."""
+    graph = {name: imports(name) for name in MODULES}
+    seen, todo = set(), ["rmm.memory"]
+    while todo:
+        for module in graph[todo.pop()] - seen:
+            seen.add(module)
+            todo.append(module)
+    policies = {m for m in seen if m == "rmm.policies" or m.startswith("rmm.policies.")}
     assert not policies
 
 

@@ -22,8 +22,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from checks import kvpress_parity as parity
 from rmm.config import check_run
 from rmm.files import config_dir
+from rmm.planning import recording_plan
 from rmm.policies import POLICIES, make_policy
-from rmm.recording import recording_plan
 
 DEFAULTS = [case for case in parity.CASES if case.default]
 

@@ -241,7 +241,7 @@ class ScorePolicy(Policy):
         """Whether the observation's ``keys`` are the keys as the model's cache holds them, rotated at
         their original positions (what kvpress's presses score after a prefill), instead of unrotated.
         Only under ``positions=original``, where the memory stores exactly those keys
-        (:func:`rmm.recording.recording_plan` refuses ``positions=cache``). False by default."""
+        (:func:`rmm.planning.recording_plan` refuses ``positions=cache``). False by default."""
         return False
 
     def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:

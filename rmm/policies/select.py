@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from rmm.options import ALLOCATIONS
+from rmm.options import ALLOCATIONS, POSITIONS
 from rmm.policies.base import Policy, ScorePolicy
 
 
@@ -233,4 +233,18 @@ def check_allocation(allocation: str, scope: str, positions: str, policy: Policy
         raise ValueError(
             "allocation=pyramid gives each layer its own budget, so it needs scope=head or scope=layer, "
             "got scope=global: set scope=head|layer, or allocation=uniform"
+        )
+
+
+def check_positions(policy: Policy, positions: str) -> None:
+    """Refuse an unknown ``positions``, and ``positions=cache`` for a policy that reads keys as cached
+    (:attr:`ScorePolicy.cached_keys`): there the memory holds keys unrotated and rotates them to a new rank
+    at every chunk."""
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+    if positions == "cache" and isinstance(policy, ScorePolicy) and policy.cached_keys:
+        raise ValueError(
+            f"policy {policy.name} with policy.variant={getattr(policy, 'variant', None)} scores the keys "
+            "as the cache holds them at their original positions, which positions=cache does not keep; "
+            "use positions=original"
         )
