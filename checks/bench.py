@@ -67,10 +67,12 @@ POLICIES = [  # (name, parameters, positions), measured side by side
     ("restkv", {}, "original"),
     ("rmm", {"lag": 64}, "original"),
     ("rmm", {"lag": 64}, "cache"),
+    ("rmm", {"lag": "auto"}, "original"),
     ("rmm", {"lag": 64, "weight": "gradient"}, "original"),
 ]
 # weight=gradient adds one backward pass per chunk: its cost against rmm(correct) (target <= 3x the time)
 GRADIENT, CORRECT = "rmm[gradient]/original", "rmm/original"
+AUTO = "rmm[lag=auto]/original"  # the lag chosen online: its rate against rmm at lag 64's
 
 
 WINDOW_AT_C = "window@C/original"
@@ -78,9 +80,11 @@ EQUAL_WORK = "equal_work"  # the equal-work yardstick's rate at the default batc
 
 
 def label(name: str, params: dict, positions: str) -> str:
-    """The engine run's name: policy[weight]/positions (the weight only when it is not the default)."""
+    """The engine run's name: policy[weight]/positions (the weight only when it is not the default;
+    ``[lag=auto]`` for the lag chosen online)."""
     weight = f"[{params['weight']}]" if "weight" in params else ""
-    return f"{name}{weight}/{positions}"
+    auto = "[lag=auto]" if params.get("lag") == "auto" else ""
+    return f"{name}{weight}{auto}/{positions}"
 
 
 def batch_of(key: str, default: int) -> int:
@@ -466,6 +470,8 @@ def main() -> None:
             f"\nrmm weight=gradient: {rates[CORRECT] / rates[GRADIENT]:.2f}x the time per token of "
             "weight=correct (target <= 3x)"
         )
+    if AUTO in rates and CORRECT in rates:
+        print(f"rmm lag=auto: {rates[AUTO] / rates[CORRECT]:.2f}x the rate of lag 64")
     if args.only_engine:
         return
 
