@@ -67,14 +67,7 @@ from torch.profiler import ProfilerActivity
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from checks import time_model
-from checks.op_count import OpCounter
-from checks.time_model import Hardware, ModelShape, StreamShape
-from checks.yardsticks import equal_work, plain_forward, token_loop
-from rmm.engine import StreamingEngine, StreamRequest
-from rmm.files import atomic_write_text
-from rmm.integration import cache_keyword
-from rmm.lookahead import record_future
-from rmm.matrix import (
+from checks.matrix import (
     ARCHITECTURES,
     CASES,
     case_id,
@@ -83,9 +76,15 @@ from rmm.matrix import (
     ranks_keys,
     runs_under,
     sampled_stream,
-    set_recorder,
     tiny_model,
 )
+from checks.op_count import OpCounter
+from checks.time_model import Hardware, ModelShape, StreamShape
+from checks.yardsticks import equal_work, plain_forward, token_loop
+from rmm.engine import StreamingEngine, StreamRequest, retained_sets_recorder
+from rmm.files import atomic_write_text
+from rmm.integration import cache_keyword
+from rmm.lookahead import record_future
 from rmm.models import config_from_architecture
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
@@ -93,7 +92,7 @@ from rmm.reference import ReferenceSpec, reference_stream
 ROOT = Path(__file__).resolve().parents[1]
 SPEED_ARCHITECTURE = ROOT / "conf" / "model" / "llama3_1_8b.yaml"
 
-# ---- the reference matrix (rmm/matrix.py: the test suite's models and policy cases) -----------------
+# ---- the reference matrix (checks/matrix.py: the test suite's models and policy cases) ---------------
 MATRIX_BUDGET = 12
 MATRIX_TOKENS = 48
 SMALL_MATRIX_TOKENS = 24
@@ -120,7 +119,7 @@ def engine_run(model, tokens, name, params, chunk, positions) -> tuple[Any, dict
     """The engine's result and its retained sets R_now per boundary ([L][H] sorted position lists)."""
     policy = make_policy({"name": name, **params}, budget=MATRIX_BUDGET, chunk=chunk)
     policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=1024))
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     result = StreamingEngine(model, policy, positions=positions).stream(tokens, on_boundary=hook)
     return result, sets
 

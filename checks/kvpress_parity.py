@@ -59,7 +59,7 @@ more recent position and kvpress's ``topk`` picks arbitrarily. Ties are counted 
 failure; a set the press's scores clearly rank lower (margin below -tie_margin, a different size, or an
 always-kept entry evicted) is a clear difference and fails the case.
 
-Coverage (:data:`CASES` x :data:`MODELS` x :data:`STREAMS`): tiny Llama, Qwen2 and Qwen3 (rmm.matrix
+Coverage (:data:`CASES` x :data:`MODELS` x :data:`STREAMS`): tiny Llama, Qwen2 and Qwen3 (checks.matrix
 ``tiny_model``; Qwen3's q_norm and k_norm weights, which its initialisation leaves at 1 so that every
 layer-0 key norm is sqrt(D), drawn 1 + r N(0, 1) with the model's seed and init range r), two seeds with
 two init ranges, a stream of distinct tokens and one that repeats a 14-token block; several settings
@@ -87,10 +87,10 @@ from pathlib import Path
 
 import torch
 
+from checks.matrix import distinct_stream, tiny_model
 from rmm.divergence import tie_margin
 from rmm.engine import StreamingEngine
 from rmm.files import atomic_write_text
-from rmm.matrix import distinct_stream, tiny_model
 from rmm.policies import make_policy
 from rmm.policies.select import decision_margin
 

@@ -2,14 +2,12 @@
 
 Tiny random causal LMs of five architectures (one hybrid: a sliding and a global layer; built locally,
 no downloads), streams they partly
-predict, the policy cases every policy is checked in against :mod:`rmm.reference`, and the hook that
-records the engine's retained sets in the reference's form. The tests and ``checks/gpu_check.py``
-import them from here.
+predict, and the policy cases every policy is checked in against :mod:`rmm.reference` (the engine's
+retained sets in the reference's form: :func:`rmm.engine.retained_sets_recorder`). Test support, not
+library: the tests, ``checks/gpu_check.py`` and ``checks/kvpress_parity.py`` import them from here.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from transformers import (
@@ -144,18 +142,6 @@ def sampled_stream(model: PreTrainedModel, n: int, seed: int = 1) -> torch.Tenso
         else:
             tokens.append(int(torch.randint(vocab, (1,), generator=generator)))
     return torch.tensor(tokens)
-
-
-def set_recorder() -> tuple[Callable, dict[int, list]]:
-    """An engine ``on_boundary`` hook and the dict it fills: boundary -> retained sets R_now as nested
-    lists [L][H] of sorted positions, the form of the reference's ``retained_log``."""
-    sets: dict[int, list] = {}
-
-    def hook(memory, now: int, evicted: torch.Tensor) -> None:
-        pos = memory.retained_positions().cpu()
-        sets[now] = [[sorted(p for p in head.tolist() if p >= 0) for head in layer] for layer in pos]
-
-    return hook, sets
 
 
 def ranks_keys(name: str) -> bool:

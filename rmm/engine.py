@@ -43,6 +43,18 @@ ChunkHook = Callable[[int, torch.Tensor], None]
 BoundaryHook = Callable[[RowView, int, torch.Tensor], None]
 
 
+def retained_sets_recorder() -> tuple[BoundaryHook, dict[int, list]]:
+    """An ``on_boundary`` hook and the dict it fills: boundary -> retained sets R_now as nested lists [L][H]
+    of sorted positions, the form of the reference's ``retained_log`` (:mod:`rmm.reference`)."""
+    sets: dict[int, list] = {}
+
+    def hook(memory: RowView, now: int, evicted: torch.Tensor) -> None:
+        pos = memory.retained_positions().cpu()
+        sets[now] = [[sorted(p for p in head.tolist() if p >= 0) for head in layer] for layer in pos]
+
+    return hook, sets
+
+
 class StreamingEngine:
     """Streams token sequences through ``model`` under ``policy`` with budget B and chunk C, bounded as
     ``options`` say (:class:`~rmm.options.StreamOptions`, or its fields as keywords: ``positions="cache"``).

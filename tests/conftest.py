@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
+from checks.matrix import ARCHITECTURES, sampled_stream, tiny_model
 from rmm.divergence import Divergence, Trace, diverge
-from rmm.matrix import ARCHITECTURES, sampled_stream, tiny_model
 
 SENTENCES = [
     "shall i compare thee to a summer's day",

@@ -50,7 +50,8 @@ import os
 
 import rmm
 from rmm.engine import StreamingEngine
-from rmm.matrix import CASES, distinct_stream, set_recorder, tiny_model
+from rmm.engine import retained_sets_recorder
+from checks.matrix import CASES, distinct_stream, tiny_model
 from rmm.policies import POLICIES, make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -59,7 +60,7 @@ assert ("vnorm", {}) in CASES and "vnorm" in POLICIES
 model, tokens = tiny_model("llama"), distinct_stream(24)
 for chunk in (1, 4, 5):
     for positions in ("original", "cache"):
-        hook, sets = set_recorder()
+        hook, sets = retained_sets_recorder()
         policy = make_policy({"name": "vnorm"}, budget=8, chunk=chunk)
         engine = StreamingEngine(model, policy, positions=positions)
         result = engine.stream(tokens, on_boundary=hook)
@@ -73,11 +74,12 @@ print("vnorm matches the reference")
 
 def test_a_toy_policy_added_by_the_docs_steps_matches_the_reference(tmp_path: Path) -> None:
     doc = (ROOT / "docs" / "adding_a_policy.md").read_text()
-    for step in ("rmm/policies/", "conf/policy/", "rmm/reference.py", "`CASES` in `rmm/matrix.py`"):
+    for step in ("rmm/policies/", "conf/policy/", "rmm/reference.py", "`CASES` in `checks/matrix.py`"):
         assert step in doc, f"the doc no longer names {step}"
-    shutil.copytree(
-        ROOT / "rmm", tmp_path / "rmm", symlinks=False, ignore=shutil.ignore_patterns("__pycache__")
-    )
+    for folder in ("rmm", "checks"):
+        shutil.copytree(
+            ROOT / folder, tmp_path / folder, symlinks=False, ignore=shutil.ignore_patterns("__pycache__")
+        )
     package = tmp_path / "rmm"
     (package / "policies" / "vnorm.py").write_text(POLICY)
     (package / "conf" / "policy" / "vnorm.yaml").write_text(CONFIG)
@@ -88,10 +90,10 @@ def test_a_toy_policy_added_by_the_docs_steps_matches_the_reference(tmp_path: Pa
         table, RULE.lstrip("\n") + "\n" + table + '    "vnorm": Rule(score=_vnorm),\n'
     )
     (package / "reference.py").write_text(reference)
-    matrix = (package / "matrix.py").read_text()
+    matrix = (tmp_path / "checks" / "matrix.py").read_text()
     cases = "CASES: list[tuple[str, dict]] = [\n"
     assert matrix.count(cases) == 1
-    (package / "matrix.py").write_text(matrix.replace(cases, cases + '    ("vnorm", {}),\n'))
+    (tmp_path / "checks" / "matrix.py").write_text(matrix.replace(cases, cases + '    ("vnorm", {}),\n'))
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600

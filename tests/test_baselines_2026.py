@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from checks.matrix import distinct_stream, tiny_model
 from rmm.engine import StreamingEngine
 from rmm.integration import output_projections
-from rmm.matrix import distinct_stream, tiny_model
 from rmm.policies import make_policy
 from rmm.policies.base import Observation
 

@@ -18,13 +18,7 @@ import torch
 from conftest import assert_agree, record_max
 from test_policies import ARCHS, BUDGET, NLL_ATOL, fits
 
-from rmm import api
-from rmm.data import Document
-from rmm.divergence import NLL_BOUND, Trace
-from rmm.engine import StreamHooks, StreamingEngine, StreamRequest, StreamResult
-from rmm.errors import UnsupportedModelError
-from rmm.lookahead import ReferenceRunner, record_future, record_futures
-from rmm.matrix import (
+from checks.matrix import (
     CASES,
     case_id,
     distinct_stream,
@@ -32,9 +26,14 @@ from rmm.matrix import (
     ranks_keys,
     runs_under,
     sampled_stream,
-    set_recorder,
     tiny_model,
 )
+from rmm import api
+from rmm.data import Document
+from rmm.divergence import NLL_BOUND, Trace
+from rmm.engine import StreamHooks, StreamingEngine, StreamRequest, StreamResult, retained_sets_recorder
+from rmm.errors import UnsupportedModelError
+from rmm.lookahead import ReferenceRunner, record_future, record_futures
 from rmm.policies import make_policy
 from rmm.reference import POSITION_RULES, ReferenceSpec, reference_stream
 
@@ -59,7 +58,7 @@ def stream(model, docs, name, params, chunk, positions="original", batch=BATCH, 
     for doc in docs:
         own = copy.copy(policy)
         own.prepare(doc, lambda tokens: record_future(model, tokens, tau=0.02, context=1024))
-        hook, sets = set_recorder()
+        hook, sets = retained_sets_recorder()
         requests.append(StreamRequest(doc, own, StreamHooks(on_boundary=hook)))
         logs.append(sets)
     results: dict[int, StreamResult] = {index: result for index, result, _ in engine.stream_many(requests)}
@@ -271,7 +270,7 @@ def test_a_batch_on_smollm2_streams_each_play_as_alone(name, params, positions):
     runs = []
     for batch in (1, 3):
         engine = StreamingEngine(model, policy, positions=positions, batch=batch)
-        logs = [set_recorder() for _ in docs]
+        logs = [retained_sets_recorder() for _ in docs]
         requests = [
             StreamRequest(d, copy.copy(policy), StreamHooks(on_boundary=h))
             for d, (h, _) in zip(docs, logs, strict=True)

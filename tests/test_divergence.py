@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import assert_agree
 
+from checks.matrix import sampled_stream, tiny_model
 from rmm.divergence import CORRECT_MARGIN, NLL_BOUND, TIE_MARGIN, Trace, diverge, near_tie, tie_margin
-from rmm.matrix import sampled_stream, tiny_model
 from rmm.policies.select import decision_margin, kept_digest, select
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def test_the_engine_records_margins_and_digests():
 KERNEL_CASES = (("h2o", {}), ("rmm", {"lag": 3}), ("rmm", {"lag": 3, "weight": "gradient"}))
 _WORKER = f"""
 import sys, rmm
-from rmm.matrix import sampled_stream, tiny_model
+from checks.matrix import sampled_stream, tiny_model
 model = tiny_model("llama")
 docs = [sampled_stream(model, n, seed=i) for i, n in enumerate((40, 33))]
 for i, (name, extra) in enumerate({KERNEL_CASES!r}):

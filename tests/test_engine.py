@@ -7,9 +7,9 @@ import torch
 from conftest import STREAM_LENGTH, record_max
 from omegaconf import OmegaConf
 
+from checks.matrix import distinct_stream
 from rmm.engine import StreamingEngine
 from rmm.lookahead import RequestRecorder, record_future
-from rmm.matrix import distinct_stream
 from rmm.options import POSITIONS
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm

@@ -10,8 +10,7 @@ from conftest import assert_agree, record_max
 from omegaconf import OmegaConf
 
 from rmm.divergence import Trace
-from rmm.engine import StreamingEngine
-from rmm.matrix import set_recorder
+from rmm.engine import StreamingEngine, retained_sets_recorder
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -71,7 +70,7 @@ def test_matches_the_reference(gemma3, name: str, params: dict, chunk: int, posi
     unrotated keys of repeated tokens (equal at layer 0)."""
     model, tokens, _ = gemma3
     tokens = tokens[:N_REFERENCE]
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     policy = make_policy({"name": name, **params}, budget=BUDGET, chunk=chunk)
     result = StreamingEngine(model, policy, positions=positions).stream(tokens, on_boundary=hook)
     spec = ReferenceSpec(policy=name, budget=BUDGET, chunk=chunk, positions=positions, **params)
@@ -101,7 +100,7 @@ def test_a_batch_streams_each_document_as_alone(gemma3, name: str, params: dict,
     for batch in (1, 3):
         engine = StreamingEngine(model, policy, layers=layers, batch=batch)
         assert engine.self_check(docs[0]).max_abs_dnll <= NLL_ATOL
-        logs = [set_recorder() for _ in docs]
+        logs = [retained_sets_recorder() for _ in docs]
         hooks = [StreamHooks(on_boundary=hook) for hook, _ in logs]
         requests = [
             StreamRequest(doc, copy.copy(policy), hook) for doc, hook in zip(docs, hooks, strict=True)

@@ -17,10 +17,10 @@ from transformers import DynamicCache, Lfm2Config, Lfm2ForCausalLM, PreTrainedMo
 
 from checks.architectures import own_nll
 from checks.architectures import tiny_model as registry_model
+from checks.matrix import TINY, sampled_stream
 from rmm import evaluate, integration
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamingEngine, retained_sets_recorder
 from rmm.errors import UnsupportedModelError
-from rmm.matrix import TINY, sampled_stream, set_recorder
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -45,7 +45,7 @@ def streamed(model, tokens, name, budget, chunk, positions="original", **params)
     """Per-token NLL [n - 1] and the retained sets per boundary of ``tokens`` streamed by the engine."""
     policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
     engine = StreamingEngine(model, policy, positions=positions)
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     return engine.stream(tokens, on_boundary=hook).nll, sets
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from rmm.engine import StreamingEngine
+from checks.matrix import sampled_stream, tiny_model
+from rmm.engine import StreamingEngine, retained_sets_recorder
 from rmm.errors import UnsupportedModelError
 from rmm.kv_heads import repeat_kv_heads
-from rmm.matrix import sampled_stream, set_recorder, tiny_model
 from rmm.models import describe_model, load_model
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
@@ -49,7 +49,7 @@ def test_official_restkv_on_a_repeated_gqa_model_matches_reference(arch, positio
     tokens = sampled_stream(model, LENGTH)
     spec = ReferenceSpec("restkv", budget=BUDGET, chunk=CHUNK, positions=positions, **params)
     ref_nll, ref_correct = reference_stream(model, tokens, spec)
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     policy = make_policy({"name": "restkv", **params}, budget=BUDGET, chunk=CHUNK)
     result = StreamingEngine(model, policy, positions=positions).stream(tokens, on_boundary=hook)
     torch.testing.assert_close(result.nll, ref_nll, rtol=0, atol=NLL_ATOL)

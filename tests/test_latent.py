@@ -20,12 +20,12 @@ from transformers import PreTrainedModel
 
 from checks.architectures import own_nll
 from checks.architectures import tiny_model as registry_model
+from checks.matrix import sampled_stream
 from rmm import evaluate, runner
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamingEngine, retained_sets_recorder
 from rmm.errors import UnsupportedModelError
 from rmm.files import config_dir
 from rmm.lookahead import record_future
-from rmm.matrix import sampled_stream, set_recorder
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -44,7 +44,7 @@ def streamed(model, tokens, name, budget, chunk, positions="original", scope="la
     policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
     policy.prepare(tokens, lambda stream: record_future(model, stream, tau=0.02, context=1024))
     engine = StreamingEngine(model, policy, positions=positions, scope=scope)
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     return engine.stream(tokens, on_boundary=hook).nll, sets
 
 

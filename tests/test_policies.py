@@ -15,10 +15,7 @@ import pytest
 import torch
 from conftest import STREAM_LENGTH, record_max
 
-from rmm import integration
-from rmm.engine import StreamingEngine
-from rmm.lookahead import record_future
-from rmm.matrix import (
+from checks.matrix import (
     CASES,
     SLIDING_WINDOW,
     case_id,
@@ -27,9 +24,11 @@ from rmm.matrix import (
     ranks_keys,
     runs_under,
     sampled_stream,
-    set_recorder,
     tiny_model,
 )
+from rmm import integration
+from rmm.engine import StreamingEngine, retained_sets_recorder
+from rmm.lookahead import record_future
 from rmm.policies import POLICIES, PositionRule, ScorePolicy, make_policy
 from rmm.reference import POSITION_RULES, SCORE_POLICIES, ReferenceSpec, reference_attention, reference_stream
 
@@ -66,7 +65,7 @@ def run_engine(
 
 def retained_sets(model, tokens, name, params, **kwargs) -> tuple:
     """The engine's result and R_now per boundary as nested lists [L][H] of sorted positions."""
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     result = run_engine(model, tokens, name, params, on_boundary=hook, **kwargs)
     return result, sets
 

@@ -237,7 +237,7 @@ def test_evaluate_records_the_code_and_save_writes_its_diff(
 ) -> None:
     """rmm.evaluate, the library's path, records the same provenance as a run and saves code.diff."""
     import rmm
-    from rmm.matrix import sampled_stream, tiny_model
+    from checks.matrix import sampled_stream, tiny_model
 
     monkeypatch.setattr(provenance, "_captured", DIRTY)
     model = tiny_model("llama")

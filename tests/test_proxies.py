@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from checks import gpu_check
+from checks.matrix import TINY, sampled_stream
 from rmm.engine import StreamingEngine
-from rmm.matrix import TINY, sampled_stream
 from rmm.models import config_from_architecture, describe_model
 from rmm.policies import POLICIES, make_policy
 from rmm.reference import ReferenceSpec, reference_stream

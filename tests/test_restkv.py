@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from rmm.engine import StreamingEngine
+from checks.matrix import sampled_stream, tiny_model
+from rmm.engine import StreamingEngine, retained_sets_recorder
 from rmm.files import config_dir
-from rmm.matrix import sampled_stream, set_recorder, tiny_model
 from rmm.policies import make_policy
 from rmm.policies.base import Observation
 from rmm.reference import ReferenceSpec, reference_stream
@@ -65,7 +65,7 @@ def test_official_matches_reference(arch, params, chunk, positions):
     model, tokens = multi_head(arch)
     spec = ReferenceSpec("restkv", budget=BUDGET, chunk=chunk, positions=positions, **params)
     ref_nll, ref_correct = reference_stream(model, tokens, spec)
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     policy = make_policy({"name": "restkv", **params}, budget=BUDGET, chunk=chunk)
     result = StreamingEngine(model, policy, positions=positions).stream(tokens, on_boundary=hook)
     where = f"{arch} {params} chunk={chunk} positions={positions}"

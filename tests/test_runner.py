@@ -14,12 +14,12 @@ import torch
 from conftest import BF16_UNDER_EMULATED_KERNELS, SENTENCES, assert_agree, tiny_model, tiny_tokenizer
 from hydra import compose, initialize_config_dir
 
+from checks.matrix import CASES
 from rmm import lookahead, runner, sharing
 from rmm.data import load_documents
 from rmm.divergence import Trace, diverge
 from rmm.engine import StreamingEngine
 from rmm.lookahead import record_future, record_futures
-from rmm.matrix import CASES
 from rmm.models import load_model
 from rmm.policies import POLICIES, make_policy
 from rmm.runner import run

@@ -10,8 +10,7 @@ from conftest import assert_agree, record_max
 from omegaconf import OmegaConf
 
 from rmm.divergence import Trace
-from rmm.engine import StreamingEngine
-from rmm.matrix import set_recorder
+from rmm.engine import StreamingEngine, retained_sets_recorder
 from rmm.policies import make_policy
 from rmm.policies.base import significant
 from rmm.reference import ReferenceSpec, _significant, reference_stream
@@ -31,7 +30,7 @@ def test_significant_digits_agree_between_engine_and_reference() -> None:
 
 def engine_sets(model, tokens: torch.Tensor, policy) -> tuple:
     """The engine's result and its retained sets per boundary ([L][H] sorted position lists)."""
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     return StreamingEngine(model, policy).stream(tokens, on_boundary=hook), sets
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checks.matrix import tiny_model
 from checks.yardsticks import equal_work
 from rmm.integration import cache_keyword
-from rmm.matrix import tiny_model
 
 
 @pytest.mark.parametrize(

@@ -26,9 +26,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rmm.data import sample_stream
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamingEngine, retained_sets_recorder
 from rmm.files import config_dir
-from rmm.matrix import set_recorder
 from rmm.models import load_model
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
@@ -37,7 +36,7 @@ from rmm.reference import ReferenceSpec, reference_stream
 def engine_run(model, tokens: torch.Tensor, params: dict, budget: int, chunk: int, threads: int):
     """(nll [n-1], retained sets per query) of the engine at ``threads`` threads."""
     torch.set_num_threads(threads)
-    hook, sets = set_recorder()
+    hook, sets = retained_sets_recorder()
     policy = make_policy({"name": "rmm", **params}, budget=budget, chunk=chunk)
     result = StreamingEngine(model, policy).stream(tokens, on_boundary=hook)
     return result.nll.double(), sets
