@@ -199,3 +199,18 @@ def test_a_policy_without_its_abstract_methods_is_refused_when_built():
 
     with pytest.raises(TypeError, match="abstract method score"):
         NoScore(budget=8, chunk=2)
+
+
+def test_studies_import_only_the_library_and_their_own_folder():
+    """A study imports rmm and its own folder's modules: no other study, no check."""
+    studies = RMM.parent / "studies"
+    for path in studies.rglob("*.py"):
+        own = f"studies.{path.relative_to(studies).parts[0]}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for name in names:
+                mine = name == own or name.startswith(f"{own}.")
+                foreign = name.startswith(("studies.", "checks.")) and not mine or name == "checks"
+                assert not foreign, f"{path.relative_to(RMM.parent)} imports {name}"
