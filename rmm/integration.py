@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import (
     DummyLayer,
     DynamicLayer,
@@ -166,6 +167,9 @@ def bounded_attention(
     s_aux : learned attention sinks [n_heads], one extra logit per head in the softmax's denominator.
     kwargs : anything else must be None or in ``IGNORED_KWARGS``, else the call is refused.
 
+    KV heads handed as copies of the layer's own, one after the other (JetMoE), are attended once each
+    (:func:`_untiled`): the memory holds the layer's own, each shared by the query heads of its copies.
+
     Returns
     -------
     attn_output : [N, Q, n_heads, value_head_dim]
@@ -173,13 +177,16 @@ def bounded_attention(
     memory = kv_memory if kv_memory is not None else (_ACTIVE[-1] if _ACTIVE else None)
     if memory is None:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' is only usable through rmm.engine.StreamingEngine")
-    _check_call(module, query, key, value, memory, attention_mask, kwargs)
+    tiles = _check_call(module, query, key, value, memory, attention_mask, kwargs)
     mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
     if mask_function is causal_mask_function:
         mask_function = None
     plain = mask_function is None and sliding_window is None
     visible = None if plain else Visibility(mask_function, sliding_window)
+    order, query, key, value, s_aux = _untiled(tiles, query, key, value, s_aux)
     out = _attend(module.layer_idx, query, key, value, memory, visible, scaling, softcap, s_aux)
+    if order is not None:  # back to the model's order of query heads
+        out = out[:, torch.argsort(order)]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -482,7 +489,8 @@ def layer_windows(model: PreTrainedModel) -> list[int | None]:
 def check_model(model: PreTrainedModel) -> None:
     """Refuse, before streaming, a model whose attention the bounded attention would not reproduce.
 
-    Reads the (text) config: ALiBi, bidirectional attention, a sparse attention indexer, layers that
+    Reads the (text) config: ALiBi, bidirectional attention, keys selected per query (a sparse attention
+    indexer, a learned bias per key: :func:`_check_key_selection`), layers that
     are not attention whose state the model's own cache cannot carry (:func:`carried_layers`), no
     attention layer at all (length-dependent RoPE under cache positions: :func:`check_positions`).
     Whatever the config does not say is found by :mod:`rmm.selfcheck` before the first scored token.
@@ -498,12 +506,7 @@ def check_model(model: PreTrainedModel) -> None:
         )
     if getattr(config, "is_causal", True) is False:
         raise UnsupportedModelError(f"{name} attends bidirectionally; the harness streams causal LMs only")
-    if getattr(config, "index_topk", None):
-        raise UnsupportedModelError(
-            f"{name} attends, per query, only the {config.index_topk} keys that a learned indexer selects "
-            "from its own cache of indexer keys (sparse attention), which the bounded attention does not "
-            "reproduce; this model is not supported"
-        )
+    _check_key_selection(config, name)
     layer_types = list(getattr(config, "layer_types", None) or [])
     other = sorted(set(layer_types) - ATTENTION_LAYER_TYPES - STATELESS_LAYER_TYPES)
     if other:
@@ -512,6 +515,26 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(
             f"{name} has no attention layer (its layer types: {', '.join(sorted(set(layer_types)))}), so "
             "there is no KV memory for a policy to bound; this model is not supported"
+        )
+
+
+def _check_key_selection(config: PretrainedConfig, name: str) -> None:
+    """Refuse a model whose queries attend only keys that it selects itself: a learned indexer over its
+    own cache of indexer keys (``index_topk``), or a learned bias per key that also selects the keys
+    (Doge's dynamic mask, ``keep_window_size``)."""
+    if getattr(config, "index_topk", None):
+        raise UnsupportedModelError(
+            f"{name} attends, per query, only the {config.index_topk} keys that a learned indexer selects "
+            "from its own cache of indexer keys (sparse attention), which the bounded attention does not "
+            "reproduce; this model is not supported"
+        )
+    if getattr(config, "keep_window_size", None):
+        raise UnsupportedModelError(
+            f"{name} adds a learned bias per key (from its values) to each attention logit and, past "
+            f"{config.keep_window_size} keys, attends only the {config.keep_window_size} of largest bias (a "
+            "dynamic mask it builds from the mask tensor, per KV head); the slot memory holds no bias per "
+            "entry and the bounded attention reads masks only as mask functions, so this model is not "
+            "supported"
         )
 
 
@@ -626,8 +649,9 @@ def _check_call(
     memory: SlotMemory,
     attention_mask: object,
     kwargs: dict,
-) -> None:
-    """Refuse a call the bounded attention would otherwise get wrong silently or crash on."""
+) -> int:
+    """Refuse a call the bounded attention would otherwise get wrong silently or crash on; return how
+    many times the layer's KV heads are tiled in ``key`` and ``value`` (:func:`_kv_tiles`)."""
     name = type(module).__name__
     unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_KWARGS and v is not None)
     if unknown:
@@ -644,20 +668,82 @@ def _check_call(
     n_layers = memory.keys.shape[0]
     if not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise UnsupportedModelError(f"{name} has no layer index in [0, {n_layers}) (layer_idx={layer!r})")
+    _check_once(name, layer, query, key, memory)
     n_kv, head_dim, value_dim = memory.layer_shapes[layer]
     if query.shape[0] != memory.keys.shape[1] or key.shape[0] != memory.keys.shape[1]:
         raise UnsupportedModelError(
             f"{name} hands attention a batch of {query.shape[0]} rows for {memory.keys.shape[1]} streams: "
             "the model reshapes its batch, which the bounded attention cannot follow"
         )
-    if key.shape[1] != n_kv or query.shape[1] % n_kv:
-        raise UnsupportedModelError(
-            f"{name} hands attention {key.shape[1]} KV heads and {query.shape[1]} query heads, where the "
-            f"config gives {n_kv} KV heads; this model is not supported"
-        )
+    tiles = _kv_tiles(name, layer, query, key, value, n_kv)
     dims = (query.shape[-1], key.shape[-1], value.shape[-1])
     if dims != (head_dim, head_dim, value_dim):
         raise UnsupportedModelError(
             f"{name} hands attention query/key/value head dimensions {'/'.join(map(str, dims))}, where the "
             f"config gives {head_dim}/{head_dim}/{value_dim}; this model is not supported"
         )
+    return tiles
+
+
+# per layer, the query and key of its last call (weak references: nothing is kept alive)
+_LAST_CALL: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _check_once(name: str, layer: int, query: torch.Tensor, key: torch.Tensor, memory: SlotMemory) -> None:
+    """Refuse a second call of ``layer`` within one forward pass (DiffLlama's differential attention calls
+    it twice, with the same queries and keys and the two halves of its value heads)."""
+    last = _LAST_CALL.get(layer)
+    _LAST_CALL[layer] = weakref.ref(query), weakref.ref(key)
+    if memory.calls[layer] < memory.passes:
+        return
+    same = last is not None and last[0]() is query and last[1]() is key
+    raise UnsupportedModelError(
+        f"{name} calls attention twice per layer and pass"
+        + (" (same queries and keys, other values)" if same else f" (layer {layer})")
+        + ": the slot memory takes a layer's keys, values and attention once per pass and holds one value "
+        "per key; this model is not supported"
+    )
+
+
+def _kv_tiles(
+    name: str, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n_kv: int
+) -> int:
+    """How many times ``key`` [N, r * n_kv, Q, D] and ``value`` repeat ``layer``'s ``n_kv`` KV heads, one
+    copy after the other (JetMoE repeats them once per expert a token selects: query head i attends KV
+    head i mod n_kv), 1 for plain heads. Other heads (MiMo-V2-Flash's sliding layers have twice the
+    config's KV heads) are refused."""
+    handed = key.shape[1]
+    tiles = handed // n_kv
+    tiled = handed % n_kv == 0 and query.shape[1] % handed == 0 and value.shape[1] == handed
+    if tiled and tiles > 1:
+        tiled = all(torch.equal(x, x[:, :n_kv].repeat(1, tiles, 1, 1)) for x in (key, value))
+    if not tiled:
+        raise UnsupportedModelError(
+            f"{name} hands attention {handed} KV heads in layer {layer}, not the config's {n_kv} nor copies "
+            f"of them ({query.shape[1]} query heads): a head count per layer that the config does not state "
+            "(per_layer_config), which the slot memory's shapes come from; this model is not supported"
+        )
+    return tiles
+
+
+def _untiled(
+    tiles: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s_aux: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(order, query, key, value, s_aux) with one copy of ``tiles`` tiled KV heads [N, n_kv, Q, D] and the
+    query heads (and their sinks) reordered by :func:`tiled_head_order`; order None and all unchanged for
+    plain heads."""
+    if tiles == 1:
+        return None, query, key, value, s_aux
+    n_kv = key.shape[1] // tiles
+    order = tiled_head_order(query.shape[1], tiles, n_kv).to(query.device)
+    sinks = None if s_aux is None else s_aux[order]
+    return order, query[:, order], key[:, :n_kv], value[:, :n_kv], sinks
+
+
+def tiled_head_order(n_query: int, tiles: int, n_kv: int) -> torch.Tensor:
+    """The model's query heads [n_query] grouped by the KV head they attend, when the ``n_kv`` KV heads
+    are handed ``tiles`` times one copy after the other: query head i attends handed head i // g (g =
+    n_query / (tiles * n_kv)), which is KV head (i // g) mod n_kv."""
+    group = n_query // (tiles * n_kv)
+    attended = (torch.arange(n_query) // group) % n_kv
+    return torch.sort(attended, stable=True).indices

@@ -445,7 +445,7 @@ def _reference_stream(
         record["weights"].append(weight | {"uniform": 1.0})
         step_attention = per_head()  # a mixer sees nothing
         for layer, maps in zip(attending, out.attentions, strict=True):
-            probs = maps[0, :, 0].double()  # [n_heads, m + 1]
+            probs = maps[0, _PASS["order", layer], 0].double()  # [n_heads, m + 1], by KV head
             group = probs.shape[0] // heads[layer]
             rows = []
             for h in range(heads[layer]):
@@ -589,7 +589,8 @@ class _Carried(DynamicCache):
 
 # the pass being run: "queries" -> the queries' original positions; layer -> per KV head the position
 # each key column holds (None: a shorter head's padding), the pass's own keys last; ("query", layer) ->
-# the query heads' vectors [n_heads, Q, head_dim] as the model rotated them (expected_attention reads them)
+# the query heads' vectors [n_heads, Q, head_dim] as the model rotated them (expected_attention reads them),
+# grouped by the KV head they attend as ("order", layer) orders the model's query heads
 _PASS: dict = {}
 # layer -> the model's mask function in the last pass (causal, sliding window, attention chunks)
 _MASKS: dict[int, Callable] = {}
@@ -610,8 +611,10 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
     layer = module.layer_idx
     if isinstance(attention_mask, _ModelMask):
         _MASKS[layer] = attention_mask.mask_function
-    _PASS["query", layer] = query[0].detach()
     queries, columns = _PASS["queries"], _PASS[layer]
+    attended = _attended_heads(query, key, len(columns))
+    _PASS["order", layer] = torch.sort(attended, stable=True).indices
+    _PASS["query", layer] = query[0, _PASS["order", layer]].detach()
     blocked = []  # per KV head, query and column: padding, the future, or hidden by the layer's window
     for head in columns:
         positions = [-1 if j is None else j for j in head]
@@ -624,10 +627,9 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
                 for s in queries
             ]
         )
-    group = query.shape[1] // len(columns)
     attention_mask = torch.zeros(len(columns), len(queries), len(columns[0]), dtype=query.dtype)
     attention_mask = attention_mask.masked_fill(torch.tensor(blocked), -math.inf)
-    attention_mask = attention_mask.repeat_interleave(group, dim=0)[None]
+    attention_mask = attention_mask[attended][None]  # per query head, its KV head's
     out, weights = eager(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
     )
@@ -643,6 +645,21 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
             share = torch.sigmoid(lse - sinks.double().view(1, -1, 1, 1))
             weights = (weights.double() * share).to(weights.dtype)
     return out, weights
+
+
+def _attended_heads(query: torch.Tensor, key: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """Per query head of ``query`` [1, n_heads, Q, D], the cache's KV head (of ``n_kv``) it attends. The
+    model's eager attention repeats each handed key head for n_heads / handed query heads in a row; the
+    handed heads are the cache's, or copies of them one after the other (JetMoE: handed head c is the
+    cache's c mod n_kv)."""
+    handed = key.shape[1]
+    attended = torch.arange(query.shape[1]) // (query.shape[1] // handed)
+    if handed == n_kv:
+        return attended
+    tiles = handed // n_kv
+    if handed % n_kv or not torch.equal(key, key[:, :n_kv].repeat(1, tiles, 1, 1)):
+        raise ValueError(f"the model hands attention {handed} KV heads, not copies of its cache's {n_kv}")
+    return attended % n_kv
 
 
 def gradient_utility(
@@ -691,7 +708,8 @@ def gradient_utility(
         loss = -sum(log_probs[s - start, tokens[s + 1]] for s in scored)
         grads = torch.autograd.grad(loss, list(out.attentions))
     for layer in range(n_layers):
-        a, da = out.attentions[layer][0].detach().double(), grads[layer][0].double()  # [heads, Q, m + Q]
+        order = _PASS.get(("order", layer), slice(None))  # the query heads by KV head
+        a, da = out.attentions[layer][0, order].detach().double(), grads[layer][0, order].double()
         utility = -a * (da - (a * da).sum(-1, keepdim=True))
         group = a.shape[0] // n_kv
         for h in range(n_kv):

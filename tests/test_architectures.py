@@ -39,7 +39,7 @@ TYPES = causal_lm_types()
 # the architectures the harness is documented to support: the matrix must find them exact
 SUPPORTED = (
     "llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2",
-    "deepseek_v2", "deepseek_v3", "gemma4_text",
+    "deepseek_v2", "deepseek_v3", "gemma4_text", "jetmoe", "falcon",
 )  # fmt: skip
 
 
@@ -53,10 +53,11 @@ def test_the_types_come_from_the_registry():
 # soft-capping, k-norm, a sin/cos table with interleaved pairing, interleaved inv_freq, NoPE layers, learned
 # absolute positions, sinks, MoE; hybrid recurrent (gated delta rule) and convolutional mixers; multi-head
 # latent attention (rotated last channels, half and interleaved pairing); per-layer head shapes and
-# proportional RoPE (Gemma 4); and the refused: no attention switch
+# proportional RoPE (Gemma 4); KV heads handed tiled (JetMoE); and the refused: no attention switch
 FAMILIES = (
     "llama", "gpt_neox", "gemma3_text", "gemma2", "qwen3", "gptj", "cohere", "smollm3", "gpt2", "gpt_oss",
-    "mixtral", "falcon", "deepseek_v2", "deepseek_v3", "qwen3_next", "lfm2", "gemma4_text",
+    "mixtral", "falcon", "deepseek_v2", "deepseek_v3", "qwen3_next", "lfm2", "gemma4_text", "jetmoe",
+    "gpt_neox_japanese",
 )  # fmt: skip
 
 
@@ -70,6 +71,24 @@ def test_an_architecture_is_exact_or_refused(model_type):
         record_max("per-token |dNLL| of the architecture matrix's exact rows, fp32", row.max_dnll)
     if model_type in SUPPORTED:
         assert row.status == "exact", row.reason
+
+
+# attention the harness does not serve, and the reason it must give (before the first scored token)
+REFUSED = {
+    "doge": r"adds a learned bias per key \(from its values\) to each attention logit and, past 2048 keys, "
+    r"attends only the 2048 of largest bias",
+    "diffllama": r"calls attention twice per layer and pass \(same queries and keys, other values\)",
+    "mimo_v2_flash": r"hands attention 4 KV heads in layer 1, not the config's 2 nor copies of them",
+    "gpt_neox_japanese": r"did not switch to the attention function 'rmm_bounded'",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_attention_the_harness_does_not_serve_is_refused_with_its_reason(model_type):
+    model = tiny_model(model_type)
+    with pytest.raises(UnsupportedModelError, match=REFUSED[model_type]):
+        engine = StreamingEngine(model, make_policy({"name": "full"}, budget=None, chunk=64))
+        engine.self_check(stream_tokens(model))
 
 
 def test_tiny_configs_are_small_and_keep_the_layer_kinds():

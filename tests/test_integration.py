@@ -21,10 +21,11 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
+from checks.architectures import tiny_model as matrix_model
 from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
-from rmm.integration import ATTENTION_NAME, bounded_attention, install
+from rmm.integration import ATTENTION_NAME, bounded_attention, install, tiled_head_order
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -219,7 +220,8 @@ def test_a_layer_bypassing_the_registered_attention_is_refused(tokens):
 
 
 def test_a_layer_calling_attention_twice_is_refused(tokens):
-    """Two calls per layer and pass (DiffLlama) would overwrite the layer's slots: refused."""
+    """Two calls per layer and pass would overwrite the layer's slots: refused at the second call, which
+    says when it has the first call's queries and keys (DiffLlama's two calls differ in values only)."""
     model = tiny_model("llama")
     attention = model.model.layers[0].self_attn
     once = attention.forward
@@ -229,8 +231,18 @@ def test_a_layer_calling_attention_twice_is_refused(tokens):
         return once(*args, **kwargs)
 
     attention.forward = twice
-    with pytest.raises(UnsupportedModelError, match=r"layer 0: 8.*more than once"):
+    with pytest.raises(UnsupportedModelError, match=r"calls attention twice per layer and pass \(layer 0\)"):
         engine(model, "h2o").stream(tokens)
+    with pytest.raises(UnsupportedModelError, match=r"twice per layer and pass \(same queries and keys"):
+        engine(matrix_model("diffllama"), "full").stream(tokens)
+
+
+def test_tiled_kv_heads_are_held_once():
+    """KV heads handed as copies one after the other (JetMoE: query head i attends KV head i mod n_kv)
+    are held once; the query heads are grouped by the KV head they attend."""
+    assert tiled_head_order(4, 2, 2).tolist() == [0, 2, 1, 3]
+    assert tiled_head_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]  # two query heads per copy
+    assert tiled_head_order(6, 3, 2).tolist() == [0, 2, 4, 1, 3, 5]
 
 
 def test_layers_that_drop_keywords_still_reach_the_memory(tokens):
