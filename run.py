@@ -30,7 +30,7 @@ def main(cfg: DictConfig) -> float:
         check_run(cfg)  # bad input fails here, before transformers is imported or a model loaded
         from rmm.runner import run
 
-        metrics = run(cfg, run_dir)
+        metrics = run(cfg, run_dir, checked=True)
     except provenance.DirtyTreeError as error:
         log.error("%s", error)
         raise SystemExit(f"refused: {error}") from None  # not one error.txt per job: the whole sweep stops

@@ -504,7 +504,8 @@ def main() -> None:
     if args.out:
         # per run: whether it records attention, and its tokens per forward pass per document
         attention = {
-            key: (engine.plan.record_attention, engine.plan.chunk) for key, engine in engines.items()
+            key: (engine.plan.recording.record_attention, engine.plan.recording.chunk)
+            for key, engine in engines.items()
         }
         write_table(args, n, rates, attention, load_before)
 

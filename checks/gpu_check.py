@@ -346,7 +346,11 @@ def speed_points(device: torch.device, small: bool) -> dict[str, Any]:
         points.append(
             common
             | {"policy": name, "positions": positions, "budget": budget, "chunk": chunk, "batch": batch}
-            | {"n_docs": n_docs, "tokens_per_doc": n, "records_attention": engine.plan.record_attention}
+            | {
+                "n_docs": n_docs,
+                "tokens_per_doc": n,
+                "records_attention": engine.plan.recording.record_attention,
+            }
             | {"wall_s": seconds, "tokens_per_s": n_docs * n / seconds}
         )
     stream = docs.reshape(-1)
@@ -495,7 +499,7 @@ def kernel_run(
             for _ in engine.stream_many(StreamRequest(row, copy.copy(policy)) for row in rows):
                 pass
 
-        streams = time_model.stream_shape(engine.plan, n_tokens, policy.budget)
+        streams = time_model.stream_shape(engine.plan.recording, n_tokens, policy.budget)
         work = time_model.pass_work(shape, streams, batch, chunk, model.dtype.itemsize, boundary=True)
     stream(docs[:, : 2 * chunk + 1])  # warm-up (and the engine's self-check)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

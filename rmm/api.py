@@ -185,7 +185,7 @@ def run_engine(
     """
     longest = max(docs, key=lambda doc: doc.tokens.numel()).tokens
     engine.self_check(longest)
-    memory = PeakMemory(engine.device)
+    memory = PeakMemory(engine.facts.device)
 
     def sampling(totals: RunTotals, doc: Document) -> ChunkHook:
         hook = on_chunk(totals, doc) if on_chunk is not None else None
@@ -277,16 +277,16 @@ def stream_metrics(
         **segment_metrics(tokens),
         "peak_memory_bytes": memory.bytes(),
         **kv_cache_bytes(
-            layer_entries(budget, engine.windows, engine.plan.exempt, engine.attending),
-            engine.windows,
+            layer_entries(budget, engine.facts.windows, engine.plan.recording.exempt, engine.facts.attending),
+            engine.facts.windows,
             dims["n_kv_heads"],
             dims["head_dim"],
-            engine.dtype,
+            engine.facts.dtype,
             dims["value_head_dim"],
             dims["latent_dim"],
-            engine.layer_shapes,
+            engine.facts.layer_shapes,
         ),
-        **({"recurrent_state_bytes": engine.state_bytes} if engine.carried else {}),
+        **({"recurrent_state_bytes": engine.state_bytes} if engine.facts.carried else {}),
         **engine.self_check_metrics(),
         "reference_context": reference.context if reference else None,
         "reference_tau": reference.tau if reference else None,
@@ -296,8 +296,8 @@ def stream_metrics(
         "score_digits": getattr(policy, "score_digits", None),  # what counts as a near-tie (rmm.divergence)
         "chunk": policy.chunk,
         **{key: value for key, value in engine.options.as_dict().items() if key != "batch"},
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.facts.device),
+        "dtype": str(engine.facts.dtype).removeprefix("torch."),
     }
 
 

@@ -78,15 +78,8 @@ class StreamingEngine:
     ):
         self.options = options = StreamOptions.given(options, **fields)
         self.facts = facts = model_facts(model)
-        plan = plan_stream(policy, options, facts)
+        self.plan = plan_stream(policy, options, facts)  # its recording plan, capacities and floor
         self.model, self.policy = model, policy
-        # what the plan says, and the facts the memory and the passes read
-        self.plan, self.capacity, self.floor = plan.recording, plan.capacity, plan.floor
-        self.windows, self.attending, self.carried = facts.windows, facts.attending, facts.carried
-        self.shape, self.layer_shapes = facts.shape, facts.layer_shapes
-        self.value_dim = facts.dims["value_head_dim"]
-        self.rotary, self.max_positions = facts.rotary, facts.max_positions
-        self.device, self.dtype = facts.device, facts.dtype
         self.state_bytes = 0  # one stream's recurrent and convolutional state (measured at the first pass)
         self.constants = policy_constants(policy, facts)  # handed to every observation
         self.checked: SelfCheck | None = None
@@ -94,12 +87,12 @@ class StreamingEngine:
     def self_check(self, tokens: torch.Tensor) -> SelfCheck:
         """Check the engine on this model before the first scored token (:func:`rmm.selfcheck.self_check`)
         with a probe from ``tokens`` [n] (the longest stream to come); refuses the model on a mismatch."""
-        if self.max_positions is not None and tokens.numel() > self.max_positions:
-            what = "a rotary sin/cos table of" if self.rotary.candidates else "learned positions up to"
+        limit = self.facts.max_positions
+        if limit is not None and tokens.numel() > limit:
+            what = "a rotary sin/cos table of" if self.facts.rotary.candidates else "learned positions up to"
             raise UnsupportedModelError(
-                f"{integration.name_of(self.model)} has {what} {self.max_positions} positions, but a stream "
-                f"has {tokens.numel()} tokens; cut the documents "
-                f"(dataset.max_tokens<={self.max_positions}, or max_tokens=)"
+                f"{self.facts.name} has {what} {limit} positions, but a stream has {tokens.numel()} tokens; "
+                f"cut the documents (dataset.max_tokens<={limit}, or max_tokens=)"
             )
         if self.checked is None:
             self.checked = selfcheck.self_check(self, tokens)
@@ -120,7 +113,7 @@ class StreamingEngine:
         them re-rotated (:mod:`rmm.memory`); the chunk itself is ``plan.chunk``."""
         step = plan.chunk
         first = step if self.policy.budget is None else min(step, self.policy.budget)
-        if self.carried:  # every pass but a stream's last as long: a padded query would enter the state
+        if self.facts.carried:  # every pass but a stream's last as long: a padded query would enter the state
             step = first
         starts = [0, *range(first, n_tokens, step)] if first < n_tokens else [0]
         return [(start, min(start + (first if start == 0 else step), n_tokens)) for start in starts]
@@ -141,20 +134,20 @@ class StreamingEngine:
     def new_memory(self, n_tokens: int, plan: RecordingPlan, rows: int = 1) -> SlotMemory:
         """A memory of ``rows`` streams of up to ``n_tokens`` tokens under ``plan``."""
         retained, chunk = plan.slots(n_tokens)
-        carried = integration.CarriedState(self.model) if self.carried else None
+        carried = integration.CarriedState(self.model) if self.facts.carried else None
         return SlotMemory(
             plan,
-            self.shape,
+            self.facts.shape,
             retained,
             chunk,
-            self.rotary,
-            self.dtype,
-            self.device,
+            self.facts.rotary,
+            self.facts.dtype,
+            self.facts.device,
             rows,
-            self.attending,
+            self.facts.attending,
             carried,
-            self.value_dim,
-            self.layer_shapes,
+            self.facts.dims["value_head_dim"],
+            self.facts.layer_shapes,
         )
 
     def stream(
@@ -220,11 +213,12 @@ class StreamingEngine:
         the model's table of positions (padded queries continue the positions: :mod:`rmm.memory`)."""
         width = max(lengths)
         reach = max(start + width for start, length in zip(starts, lengths, strict=True) if length < width)
-        if self.max_positions is not None and reach > self.max_positions:
+        limit = self.facts.max_positions
+        if limit is not None and reach > limit:
             raise UnsupportedModelError(
-                f"{integration.name_of(self.model)} has a table of {self.max_positions} positions, but a "
+                f"{self.facts.name} has a table of {limit} positions, but a "
                 f"document's last chunk, padded to the {width} tokens of the batch's pass, reaches position "
-                f"{reach - 1}; cut the documents to a multiple of the chunk below {self.max_positions} "
+                f"{reach - 1}; cut the documents to a multiple of the chunk below {limit} "
                 "tokens, or use batch=1"
             )
 
@@ -234,7 +228,11 @@ class StreamingEngine:
         where a new stream needs more slots; a new stream's row emptied."""
         running = [stream for stream in rows if stream is not None]
         longest = max(stream.tokens.numel() for stream in running)
-        plan = self.plan.observed() if any(s.hooks.observer is not None for s in running) else self.plan
+        plan = (
+            self.plan.recording.observed()
+            if any(s.hooks.observer is not None for s in running)
+            else self.plan.recording
+        )
         if memory is None:
             memory = self.new_memory(longest, plan, rows=len(rows))
         else:
@@ -259,9 +257,9 @@ class StreamingEngine:
         if min(lengths) < max(lengths):
             self._check_padding(starts, lengths)
             padded = [s for s, n in zip(rows, lengths, strict=True) if n < max(lengths)]
-            if self.carried and any(s.step + 1 < len(s.schedule) for s in padded):
+            if self.facts.carried and any(s.step + 1 < len(s.schedule) for s in padded):
                 raise UnsupportedModelError(
-                    f"{integration.name_of(self.model)} carries recurrent state, which padding a chunk "
+                    f"{self.facts.name} carries recurrent state, which padding a chunk "
                     "before a stream's last would change; stream its documents with batch=1"
                 )
         position_ids = memory.begin_chunk(starts, lengths)  # [N, Q]
@@ -271,9 +269,9 @@ class StreamingEngine:
             at = [first + min(q, length - 1) for q in range(width)]  # a padded query repeats the last token
             tokens.append([stream.ids[p] for p in at])
             targets.append([stream.ids[min(p + 1, len(stream.ids) - 1)] for p in at])
-        tokens_t = torch.tensor(tokens, device=self.device)
-        targets_t = torch.tensor(targets, device=self.device)
-        tracking = self.plan.track_gradient
+        tokens_t = torch.tensor(tokens, device=self.facts.device)
+        targets_t = torch.tensor(targets, device=self.facts.device)
+        tracking = self.plan.recording.track_gradient
         # autograd only for a policy that needs the gradient utility, and only for this pass
         with torch.enable_grad() if tracking else contextlib.nullcontext():
             logits = self.forward(memory, tokens_t, position_ids)  # [N, Q, V]
@@ -285,8 +283,8 @@ class StreamingEngine:
             ]
             if tracking:
                 counted = (
-                    torch.arange(width, device=self.device)
-                    < torch.tensor(scored, device=self.device)[:, None]
+                    torch.arange(width, device=self.facts.device)
+                    < torch.tensor(scored, device=self.facts.device)[:, None]
                 )
                 record_gradients(memory, (token_nll * counted).sum() if max(scored) > 0 else None)
         top = log_probs.detach().topk(2, dim=-1)  # the argmax, and how far it is ahead of the runner-up
@@ -294,8 +292,8 @@ class StreamingEngine:
         outcome = (token_nll.detach(), correct, top.values[..., 0] - top.values[..., 1])
         memory.count_attended()
         self._decide(memory, rows, outcome, scored)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.facts.device.type == "cuda":
+            torch.cuda.synchronize(self.facts.device)
         share = (time.perf_counter() - start) / len(rows)
         for stream in rows:
             stream.wall_s += share
@@ -310,7 +308,7 @@ class StreamingEngine:
         """After a pass: record each stream's outcomes (``outcome``: nll, correct, margin [N, Q]; the first
         ``scored[i]`` of row i have a target), let score-based policies observe their chunk, and at a
         boundary choose what every row keeps, then compact all rows at once."""
-        plan = self.plan
+        plan = self.plan.recording
         _copy_all(
             (
                 stream.outcome_slots(stream.schedule[stream.step][0], scored[i]),
@@ -322,7 +320,8 @@ class StreamingEngine:
         if plan.rule is None and "outcomes" in rows[0].policy.needs:  # 0 for a query without a target
             width = outcome[0].shape[1]
             targets = (
-                torch.arange(width, device=self.device) < torch.tensor(scored, device=self.device)[:, None]
+                torch.arange(width, device=self.facts.device)
+                < torch.tensor(scored, device=self.facts.device)[:, None]
             )
             nll = outcome[0].masked_fill(~targets, 0)
             outcomes = {
@@ -355,7 +354,7 @@ class StreamingEngine:
         deciding = [i for i, stream in enumerate(rows) if not stream.done]
         if not deciding:
             return
-        now = torch.tensor(stops, device=self.device)
+        now = torch.tensor(stops, device=self.facts.device)
         if plan.rule is None:
             keep = self._select(memory, rows, views, stops, deciding, now)
         else:
@@ -392,16 +391,16 @@ class StreamingEngine:
             if stream.hooks.before_boundary is not None:
                 stream.hooks.before_boundary(view, obs, stops[i], score)
             scores.append(torch.nn.functional.pad(score, (0, width - view.n)) if view.n < width else score)
-        how = (self.options.scope, rows[deciding[0]].policy.scope_reduce, self.floor)
+        how = (self.options.scope, rows[deciding[0]].policy.scope_reduce, self.plan.floor)
 
         def decide(score: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor):
-            keep = select(score, positions, alive, self.capacity, *how)
+            keep = select(score, positions, alive, self.plan.capacity, *how)
             return keep, decision_margin(score, positions, alive, keep, *how), kept_digest(keep, positions)
 
         if len(deciding) == len(rows):
             picked = (key_pos.movedim(1, 0), valid.movedim(1, 0))
         else:
-            index = torch.tensor(deciding, device=self.device)
+            index = torch.tensor(deciding, device=self.facts.device)
             picked = (
                 key_pos.index_select(1, index).movedim(1, 0),
                 valid.index_select(1, index).movedim(1, 0),
@@ -461,18 +460,18 @@ class _Stream:
         self.tokens = request.tokens
         self.ids: list[int] = request.tokens.tolist()  # read on the host to build each pass's batch
         n = self.tokens.numel()
-        plan = engine.plan if request.hooks.observer is None else engine.plan.observed()
+        plan = engine.plan.recording if request.hooks.observer is None else engine.plan.recording.observed()
         self.schedule = engine.chunks(n, plan)
         self.step = 0
         self.row = -1  # its row in the memory (set when the memory takes it)
         self.obs: Observation | None = None  # the observation of its last chunk
-        self.nll = torch.empty(n - 1, device=engine.device)
-        self.correct = torch.empty(n - 1, dtype=torch.bool, device=engine.device)
-        self.margin = torch.empty(n - 1, device=engine.device)
+        self.nll = torch.empty(n - 1, device=engine.facts.device)
+        self.correct = torch.empty(n - 1, dtype=torch.bool, device=engine.facts.device)
+        self.margin = torch.empty(n - 1, device=engine.facts.device)
         # per decision (at most one per chunk boundary), kept on the device until the end
         self.boundaries: list[int] = []
-        self.decisions = torch.empty(len(self.schedule), *engine.shape[:2], device=engine.device)
-        self.digests = torch.empty(self.decisions.shape, dtype=torch.long, device=engine.device)
+        self.decisions = torch.empty(len(self.schedule), *engine.facts.shape[:2], device=engine.facts.device)
+        self.digests = torch.empty(self.decisions.shape, dtype=torch.long, device=engine.facts.device)
         self.wall_s = 0.0
 
     @property

@@ -229,7 +229,7 @@ class RmmLM(TemplateLM):
                 for k, v in self.settings.items()
             },
             "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
-            "model_dtype": str(self.engine.dtype).removeprefix("torch."),
+            "model_dtype": str(self.engine.facts.dtype).removeprefix("torch."),
             "rmm_streamed_tokens": self.streamed_tokens,
             **self.engine.self_check_metrics(),
         }

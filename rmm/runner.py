@@ -15,7 +15,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from rmm import api, provenance, sharing
-from rmm.config import check_config
+from rmm.config import check_run
 from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
@@ -41,8 +41,9 @@ class RunSetup:
     reference: ReferenceRunner | None  # the reference pass, when the policy or a diagnostic needs it
 
 
-def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Execute the run described by ``cfg`` and write it to ``run_dir``; returns its metrics.
+def run(cfg: DictConfig, run_dir: str | Path, checked: bool = False) -> dict[str, Any]:
+    """Execute the run described by ``cfg`` and write it to ``run_dir``; returns its metrics. Bad input
+    fails before the model loads (:func:`rmm.config.check_run`, unless the caller ran it: ``checked``).
 
     With ``reuse`` (the default), a budget-free policy's run takes the results of a complete run beside
     ``run_dir`` that differs only in the budget (:func:`rmm.sharing.find_reusable_run`), and reference
@@ -53,7 +54,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.resume and run_is_complete(run_dir):
         return _resume(run_dir, config)
-    check_config(cfg)  # as run.py does: a call from Python fails as early
+    if not checked:
+        check_run(cfg)  # as run.py does: a call from Python fails as early
     if OmegaConf.select(cfg, "provenance.require_clean", default=False):
         code.require_clean()  # a registered study's run: refused from a dirty tree, before the model loads
     device = resolve_device(cfg.device)

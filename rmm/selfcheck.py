@@ -100,8 +100,8 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     model = engine.model
     start = time.perf_counter()
     try:
-        probe = tokens[: probe_length(engine, tokens.numel())].to(engine.device)
-        rotations = _check_rotation(engine, probe) if engine.plan.moves_positions else {}
+        probe = tokens[: probe_length(engine, tokens.numel())].to(engine.facts.device)
+        rotations = _check_rotation(engine, probe) if engine.plan.recording.moves_positions else {}
         difference, step, in_batch = _check_stream(engine, probe)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{integration.name_of(model)} failed the self-check: {err}") from err
@@ -110,8 +110,8 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
             f"{integration.name_of(model)} failed the self-check: streaming the probe raised "
             f"{type(err).__name__}: {err}"
         ) from err
-    tolerance = TOLERANCE.get(engine.dtype, 1e-4)
-    per_token = engine.dtype in PER_TOKEN
+    tolerance = TOLERANCE.get(engine.facts.dtype, 1e-4)
+    per_token = engine.facts.dtype in PER_TOKEN
     max_dnll, pass_means = _statistics(difference, step)
     measured, what = (max_dnll, "per-token NLL") if per_token else (max(pass_means), "a pass's mean NLL")
     if not measured <= tolerance:
@@ -190,9 +190,9 @@ def _stream(engine: Checkable, rows: torch.Tensor, step: int) -> torch.Tensor:
     """Per-token NLL [N, n - 1] of ``rows`` [N, n] streamed side by side in passes of ``step`` tokens with
     an unlimited budget; checks each memory's attention calls."""
     n = rows.shape[1]
-    plan = _unlimited(engine.plan, step)
+    plan = _unlimited(engine.plan.recording, step)
     memory = engine.new_memory(n, plan, rows=len(rows))
-    nll = torch.empty(len(rows), n - 1, device=engine.device)
+    nll = torch.empty(len(rows), n - 1, device=engine.facts.device)
     with torch.no_grad(), integration.install(engine.model):
         for start in range(0, n, step):
             stop = min(start + step, n)
@@ -203,7 +203,7 @@ def _stream(engine: Checkable, rows: torch.Tensor, step: int) -> torch.Tensor:
             targets = rows[:, start + 1 : start + 1 + scored, None]
             nll[:, start : start + scored] = -log_probs.gather(-1, targets)[..., 0]
             if stop < n:
-                now = torch.full((len(rows),), stop, device=engine.device)
+                now = torch.full((len(rows),), stop, device=engine.facts.device)
                 memory.compact(memory.alive(now) if plan.rule is None else memory.chunk_key_pos() >= 0, now)
     _check_calls(engine, memory.calls, memory.passes)
     return nll
@@ -228,7 +228,12 @@ def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[s
     """Calibrate and check the engine's per-layer rotations against the model's own."""
     n = min(probe.numel(), ROTATION_TOKENS)
     plan = _unlimited(
-        engine.plan, n, store_unrotated=False, raw_keys=False, record_queries=False, record_attention=False
+        engine.plan.recording,
+        n,
+        store_unrotated=False,
+        raw_keys=False,
+        record_queries=False,
+        record_attention=False,
     )
     captured = []
     for shift in (0, ROTATION_SHIFT):
@@ -243,11 +248,11 @@ def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[s
             engine.forward(memory, probe[None, :n], position_ids + shift)
         captured.append((keys, queries))
     (keys0, queries0), (keys1, queries1) = captured
-    tolerance = ROTATION_TOLERANCE.get(engine.dtype, 1e-3)
-    found = engine.rotary.calibrate(keys0, keys1, ROTATION_SHIFT, tolerance)
-    if engine.plan.record_queries or engine.plan.n_sink_slots:
+    tolerance = ROTATION_TOLERANCE.get(engine.facts.dtype, 1e-3)
+    found = engine.facts.rotary.calibrate(keys0, keys1, ROTATION_SHIFT, tolerance)
+    if engine.plan.recording.record_queries or engine.plan.recording.n_sink_slots:
         for layer in queries0:
-            error = engine.rotary.error(layer, queries0[layer], queries1[layer], ROTATION_SHIFT)
+            error = engine.facts.rotary.error(layer, queries0[layer], queries1[layer], ROTATION_SHIFT)
             if error > tolerance:
                 raise UnsupportedModelError(
                     f"layer {layer}'s queries at shifted positions are not its rotation of the same queries "

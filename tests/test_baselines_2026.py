@@ -60,7 +60,7 @@ def test_the_engine_hands_the_model_constants_to_the_policy(tiny_models):
     expected = StreamingEngine(
         tiny_models["llama"], make_policy({"name": "expected_attention"}, budget=8, chunk=4)
     )
-    assert expected.constants["rotary"] is expected.rotary
+    assert expected.constants["rotary"] is expected.facts.rotary
     assert (
         StreamingEngine(tiny_models["llama"], make_policy({"name": "h2o"}, budget=8, chunk=4)).constants == {}
     )

@@ -188,7 +188,7 @@ def test_observed_keys_and_queries_are_unrotated(tiny_models, arch):
         probe = Probe(budget=12, chunk=4)
         probe.mode = mode
         engine = StreamingEngine(model, probe, positions=mode)
-        memory = engine.new_memory(tokens.numel(), engine.plan)
+        memory = engine.new_memory(tokens.numel(), engine.plan.recording)
         assert memory.attn is None, "an attention-free policy must not record attention"
         engine.stream(tokens)
     for (pos_o, keys_o, queries_o), (pos_c, keys_c, queries_c) in zip(*seen.values(), strict=True):

@@ -123,7 +123,7 @@ def test_each_document_keeps_its_own_state(models, arch):
 def test_rows_of_the_state_follow_the_memory(models):
     model = models["lfm2"]
     engine = StreamingEngine(model, make_policy({"name": "h2o"}, budget=12, chunk=4))
-    memory = engine.new_memory(8, engine.plan, rows=2)
+    memory = engine.new_memory(8, engine.plan.recording, rows=2)
     tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     with integration.install(model):
         engine.forward(memory, tokens, memory.begin_chunk([0, 0], [4, 4]))
@@ -136,7 +136,7 @@ def test_rows_of_the_state_follow_the_memory(models):
     after = [s for layer in memory.carried.layers for s in layer.conv_states.values()]
     for old, new in zip(before, after, strict=True):
         assert new.shape[0] == 2 and not new.abs().sum() and not old[1].equal(torch.zeros_like(old[1]))
-    assert engine.attending == [False, True, False, True] and engine.carried == [0, 2]
+    assert engine.facts.attending == [False, True, False, True] and engine.facts.carried == [0, 2]
 
 
 def test_memory_reports_the_state_apart(models):
@@ -164,4 +164,4 @@ def test_what_a_hybrid_model_cannot_do_is_refused(models):
             model, make_policy({"name": "rmm", "lag": 3, "weight": "gradient"}, budget=12, chunk=4)
         )
     engine = StreamingEngine(model, make_policy({"name": "window"}, budget=12, chunk=4))
-    assert engine.chunks(40, engine.plan) == [(s, min(s + 12, 40)) for s in range(0, 40, 12)]
+    assert engine.chunks(40, engine.plan.recording) == [(s, min(s + 12, 40)) for s in range(0, 40, 12)]

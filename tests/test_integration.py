@@ -153,7 +153,7 @@ def test_rotation_calibrated_against_the_model(tokens):
     decoy.inv_freq = decoy.inv_freq * 2
     model.model.layers[0].rotary_emb = decoy
     eng = engine(model, "h2o", positions="cache")
-    assert eng.rotary.layers[0].name == "model.layers.0.rotary_emb.inv_freq"  # the default reading
+    assert eng.facts.rotary.layers[0].name == "model.layers.0.rotary_emb.inv_freq"  # the default reading
     result = eng.stream(tokens)
     assert {name for name, _ in eng.checked.rotations.values()} == {"model.rotary_emb.inv_freq"}
     ref_nll, _ = reference_stream(
@@ -296,7 +296,7 @@ def test_recurrent_layers_the_cache_cannot_carry_are_refused(monkeypatch):
 
     config = Lfm2Config(**SMALL, num_key_value_heads=1, layer_types=["conv", "full_attention"])
     model = Lfm2ForCausalLM(config).eval()
-    assert engine(model, "h2o").carried == [0]
+    assert engine(model, "h2o").facts.carried == [0]
     monkeypatch.setattr(integration, "CARRIED_CACHE_LAYERS", ())
     with pytest.raises(UnsupportedModelError, match="cache layers LinearAttentionLayer"):
         engine(model, "h2o")

@@ -53,7 +53,7 @@ def test_keys_and_values_have_their_own_head_dimensions(models):
     config = model.config
     assert config.qk_nope_head_dim + config.qk_rope_head_dim != config.v_head_dim  # the tiny config differs
     engine = StreamingEngine(model, make_policy({"name": "h2o"}, budget=8, chunk=4), scope="layer")
-    memory = engine.new_memory(N, engine.plan)  # B - C + 1 = 5 retained slots, then the chunk's 4
+    memory = engine.new_memory(N, engine.plan.recording)  # B - C + 1 = 5 retained slots, then the chunk's 4
     assert memory.keys.shape[2:] == (4, 9, config.qk_nope_head_dim + config.qk_rope_head_dim)
     assert memory.values.shape[2:] == (4, 9, config.v_head_dim)
 

@@ -56,8 +56,8 @@ def _nll(model: torch.nn.Module, tokens: torch.Tensor, **settings) -> torch.Tens
 def test_the_memory_holds_each_layer_at_its_own_shape():
     model = _model()
     engine = StreamingEngine(model, make_policy({"name": "h2o"}, budget=12, chunk=4))
-    assert engine.layer_shapes == [(2, 16, 16)] * 5 + [(1, 32, 32)]
-    memory = engine.new_memory(32, engine.plan)
+    assert engine.facts.layer_shapes == [(2, 16, 16)] * 5 + [(1, 32, 32)]
+    memory = engine.new_memory(32, engine.plan.recording)
     assert (memory.keys.shape[2], memory.keys.shape[-1], memory.values.shape[-1]) == (2, 32, 32)
     memory.begin_chunk([0], [4])
     chunk = memory.key_pos[..., memory.retained :]  # [L, N, H, C]

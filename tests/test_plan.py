@@ -100,7 +100,7 @@ def allocated(
     """The engine's allocations for the first chunk of ``batch`` N_TOKENS streams in one forward pass
     (``observed``: with an attention observer, as the reference pass)."""
     engine = StreamingEngine(model, policy, positions=positions, allocation=allocation)
-    plan = engine.plan.observed() if observed else engine.plan
+    plan = engine.plan.recording.observed() if observed else engine.plan.recording
     memory = engine.new_memory(N_TOKENS, plan, rows=batch)
     logits_shapes = []
     if plan.record_attention:

@@ -33,10 +33,10 @@ def test_schedule_is_the_engines(policy_cfg, budget, chunk, n_tokens):
     """The passes the time model counts are the engine's own (rmm.engine.StreamingEngine.chunks)."""
     policy = make_policy(policy_cfg, budget, chunk)
     engine = StreamingEngine(tiny_model("llama"), policy)
-    passes = [stop - start for start, stop in engine.chunks(n_tokens, engine.plan)]
-    stream = planner.stream_shape(engine.plan, n_tokens, policy.budget)
+    passes = [stop - start for start, stop in engine.chunks(n_tokens, engine.plan.recording)]
+    stream = planner.stream_shape(engine.plan.recording, n_tokens, policy.budget)
     assert time_model.schedule(n_tokens, stream.first, stream.step) == passes
-    assert stream.retained + min(stream.step, n_tokens) == sum(engine.plan.slots(n_tokens))
+    assert stream.retained + min(stream.step, n_tokens) == sum(engine.plan.recording.slots(n_tokens))
 
 
 def test_matmul_parameters_are_the_models():
