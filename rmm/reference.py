@@ -23,7 +23,9 @@ In particular it has
   whole stream (``DynamicCache`` from its config), whose mixers carry their state from token to token
   as the model defines it and whose attention layers hold exactly R_t (:class:`_Carried`); a layer
   whose attention is never called holds nothing;
-- its own model shape reading, its own seeded hash for ``random`` (splitmix64 on Python integers),
+- its own model shape reading (and which query heads attend which KV head of its cache, from the keys
+  the model hands attention: JetMoE hands its KV heads as copies one after the other), its own
+  seeded hash for ``random`` (splitmix64 on Python integers),
   its own oracle reference attention (a plain full forward pass, or this decoder under ``window``
   for a windowed reference context);
 - its own rules for the policies that rank keys and values (knorm, keydiff, lagkv, expected_attention):
