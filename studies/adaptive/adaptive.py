@@ -228,10 +228,9 @@ def natural_rows(root: Path, n_resamples: int) -> list[dict]:
 
 
 def verdicts(cells: pd.DataFrame, natural_root: Path, n_resamples: int = N_RESAMPLES) -> pd.DataFrame:
-    """Every registered prediction with its figures and verdict; Holm over each model's P1-P3 (a pending
-    prediction counts with p = 1, which bounds the final adjusted p from above)."""
-    if not cells.empty:
-        cells = cells.assign(study_arm=cells.apply(run_arm, axis=1))
+    """From the reuse runs ``cells`` (with their ``study_arm``) and lag=auto's natural-text runs under
+    ``natural_root``: every registered prediction with its figures and verdict; Holm over each model's
+    P1-P3 (a pending prediction counts with p = 1, which bounds the final adjusted p from above)."""
     table = pd.DataFrame(cell_rows(cells, n_resamples) + natural_rows(natural_root, n_resamples))
     models = list(dict.fromkeys(table["model"]))  # each model's rows together, in the registered order
     table = table.sort_values("model", key=lambda m: m.map(models.index), kind="stable", ignore_index=True)
@@ -375,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the runs directory and --out (or --settings MODEL)")
     natural = args.natural or args.runs.parent / "natural8k" / "runs"
     cells = collect([args.runs], intervals=False) if args.runs.is_dir() else pd.DataFrame()
+    if not cells.empty:
+        cells = cells.assign(study_arm=cells.apply(run_arm, axis=1))
     table = verdicts(cells, natural, args.n_resamples)
     args.out.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out / "verdicts.csv", index=False)
