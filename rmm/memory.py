@@ -12,6 +12,12 @@ slots (position -1) last, then ``[R, R + Q)`` the chunk being processed. Its siz
 stream length. R is the slots that hold the retained entries; ``capacity`` elsewhere is what one
 (layer, KV head) may keep (B', or c_{l,h} under an allocation), never R.
 
+Three pieces, one concern each: the slot storage here (:class:`SlotMemory`: keys and values
+[L, N, H, R + C, D], key positions and the policy's statistics [L, N, H, R + C], attention
+[L, N, H, C, R + C], queries [L, N, H, G, C, D]; rows, growth, compaction), the pass's attention masks
+(:class:`~rmm.masks.ChunkMasks`) and its rotation tables (:class:`~rmm.chunk_rotations.ChunkRotations`),
+both rebuilt at every :meth:`SlotMemory.begin_chunk`, each with its shapes in its own docstring.
+
 How a slot holds its key is one of three cases (:class:`KeyStorage`, chosen from the plan), plus two
 rotations that apply in any case. Queries continue at ``model_pos``: their original positions, or under
 ``cache`` positions the ranks after the retained entries.
@@ -47,17 +53,14 @@ always hold detached tensors, so no graph outlives the chunk.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from enum import Enum
 from typing import Protocol
 
 import torch
 
+from rmm.chunk_rotations import ChunkRotations, KeyStorage
+from rmm.masks import ChunkMasks, LayerWindow
 from rmm.recording import RecordingPlan
-from rmm.rotary import Rotary, Table
-
-# a layer's own window: (query_pos [..., Q], key_pos [..., S]) -> bool [..., Q, S], hashable (one per
-# layer type)
-LayerWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from rmm.rotary import Rotary
 
 
 class RowState(Protocol):
@@ -71,31 +74,14 @@ class RowState(Protocol):
     def add_rows(self, count: int) -> None: ...
 
 
-class KeyStorage(Enum):
-    """How a slot holds its key (the table in the module docstring)."""
-
-    ROTATED = "rotated"  # as the model rotated it, at its original position
-    ROTATED_AND_RAW = "rotated and raw"  # that, plus an unrotated copy for a policy that reads keys
-    UNROTATED = "unrotated"  # rotated back to position 0, rotated to its rank at use (cache positions)
-
-    @classmethod
-    def of(cls, plan: RecordingPlan) -> KeyStorage:
-        if plan.store_unrotated:
-            return cls.UNROTATED
-        return cls.ROTATED_AND_RAW if plan.raw_keys else cls.ROTATED
-
-
-def _visible(allowed: torch.Tensor) -> torch.Tensor:
-    """How many keys each query sees: ``allowed`` [..., Q, S] (bool) -> [..., Q] float, summed as bytes into
-    int32 (a bool sum would first copy the mask to int64)."""
-    return allowed.view(torch.uint8).sum(dim=-1, dtype=torch.int32).float()
-
-
-def causal(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
-    """bool [..., Q, S]: the valid keys ``key_pos`` [..., S] at or before each query ``query_pos``
-    [..., Q]."""
-    keys = key_pos[..., None, :]
-    return (keys >= 0) & (keys <= query_pos[..., :, None])
+def empty_pairs(
+    layer_shapes: Sequence[tuple[int, int, int]], attending: Sequence[bool], n_heads: int
+) -> torch.Tensor | None:
+    """bool [L, 1, H, 1]: the (layer, KV head) pairs whose slots stay empty (a layer that never attends, a
+    head past the layer's own); None when every pair holds entries."""
+    heads = torch.tensor([h if a else 0 for (h, _, _), a in zip(layer_shapes, attending, strict=True)])
+    empty = torch.arange(n_heads)[None, :] >= heads[:, None]
+    return empty[:, None, :, None] if bool(empty.any()) else None
 
 
 class SlotMemory:
@@ -137,73 +123,56 @@ class SlotMemory:
         layer_shapes: Sequence[tuple[int, int, int]] | None = None,
     ):
         n_layers, n_heads, head_dim = shape
-        slots = retained + chunk
         self.plan, self.retained, self.chunk, self.rows = plan, retained, chunk, rows
         self.rotary, self.device = rotary, device
         self.carried = carried
         attending = [True] * n_layers if attending is None else list(attending)
         own = [(n_heads, head_dim, value_dim or head_dim)] * n_layers
         self.layer_shapes = own if layer_shapes is None else list(layer_shapes)
-        # (layer, KV head) pairs whose slots stay empty [L, 1, H, 1]: a layer that never attends, a head past
-        # the layer's own (None: every pair holds entries)
-        shapes = zip(self.layer_shapes, attending, strict=True)
-        heads = torch.tensor([h if a else 0 for (h, _, _), a in shapes])
-        empty = (torch.arange(n_heads)[None, :] >= heads[:, None]).to(device)
-        self._empty = empty[:, None, :, None] if bool(empty.any()) else None
-        self.storage = storage = KeyStorage.of(plan)
-        self.record_attention = plan.record_attention
-        self.track_gradient = plan.track_gradient
+        empty = empty_pairs(self.layer_shapes, attending, n_heads)
+        self._empty = None if empty is None else empty.to(device)  # [L, 1, H, 1]
+        self.storage = KeyStorage.of(plan)
+        self.record_attention, self.track_gradient = plan.record_attention, plan.track_gradient
+        self.record_queries, self.n_sink_slots = plan.record_queries, plan.n_sink_slots
         if self.track_gradient and not self.record_attention:
             raise ValueError("gradient tracking needs attention probabilities: record_attention must be set")
-        self.keys = torch.zeros(n_layers, rows, n_heads, slots, head_dim, dtype=dtype, device=device)
-        self.values = self.keys.new_zeros(*self.keys.shape[:-1], value_dim or head_dim)
+        self._allocate(shape, value_dim or head_dim, dtype)
+        # filled by begin_chunk
+        self.lengths: list[int] = [0] * rows  # real queries of each row in the pass
+        self.query_pos = torch.empty(rows, 0, dtype=torch.long, device=device)  # [N, Q]
+        self.model_pos = self.query_pos
+        # position rules: the first layer the rule applies to (the others it applies to hold the same set)
+        ruled = [layer for layer, exempt in enumerate(plan.exempt or [False] * n_layers) if not exempt]
+        first = next((layer for layer in ruled if attending[layer]), 0)
+        self.masks = ChunkMasks(plan, [h for h, _, _ in self.layer_shapes], first, dtype)
+        self.rotations = ChunkRotations(plan, rotary)
+        self.calls = [0] * n_layers  # attention calls per layer since the memory was made
+        self.passes = 0  # forward passes (chunks) begun
+        # called by the attention function with (layer, query [N, H, G, Q, D], key [N, H, Q, D]) as the
+        # model produced them (the self-check reads the model's own rotation this way)
+        self.capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+    def _allocate(self, shape: tuple[int, int, int], value_dim: int, dtype: torch.dtype) -> None:
+        """The slots [L, N, H, R + C, ...] of every buffer the plan asks for, empty."""
+        n_layers, n_heads, head_dim = shape
+        slots, device = self.retained + self.chunk, self.device
+        self.keys = torch.zeros(n_layers, self.rows, n_heads, slots, head_dim, dtype=dtype, device=device)
+        self.values = self.keys.new_zeros(*self.keys.shape[:-1], value_dim)
         # ROTATED_AND_RAW: a second, unrotated copy, filled as keys arrive
-        self.raw_keys = torch.zeros_like(self.keys) if storage is KeyStorage.ROTATED_AND_RAW else None
-        self.key_pos = torch.full((n_layers, rows, n_heads, slots), -1, dtype=torch.long, device=device)
-        self.state = {name: torch.zeros(self.key_pos.shape, device=device) for name in plan.state_names}
+        self.raw_keys = torch.zeros_like(self.keys) if self.storage is KeyStorage.ROTATED_AND_RAW else None
+        self.key_pos = torch.full((n_layers, self.rows, n_heads, slots), -1, dtype=torch.long, device=device)
+        self.state = {name: torch.zeros(self.key_pos.shape, device=device) for name in self.plan.state_names}
         self.attn: torch.Tensor | None = None
         self.utility: torch.Tensor | None = None
         if self.record_attention:
             self.record_all_attention()
         # per row: attended entries, evicted entries' summed age and their count, accumulated on the device
         # (read once per stream, at its end)
-        self.totals = torch.zeros(rows, 3, dtype=torch.float64, device=device)
+        self.totals = torch.zeros(self.rows, 3, dtype=torch.float64, device=device)
         # gradient tracking: what each layer's attention used during the chunk's forward pass:
         # (layer, probs [N, H, G, Q, S], values [N, H, S, D], output [N, H, G, Q, D])
         self._outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.record_queries = plan.record_queries
         self.queries: torch.Tensor | None = None  # [L, N, H, G, C, D] unrotated, allocated at the first store
-        self._query_table: Table | None = None
-        self.n_sink_slots = plan.n_sink_slots
-        self._unrotate_table: Table | None = None
-        self._rank_offset: torch.Tensor | None = (
-            None  # cache positions: rank of each retained slot [L, N, H, R]
-        )
-        # filled by begin_chunk
-        self.lengths: list[int] = [0] * rows  # real queries of each row in the pass
-        self.query_pos = torch.empty(rows, 0, dtype=torch.long, device=device)  # [N, Q]
-        self.model_pos = self.query_pos
-        self._pad: torch.Tensor | None = None  # [N, Q] padded queries, None when every row is full
-        self._allowed = torch.empty(0, dtype=torch.bool, device=device)  # [L or 1, N, H or 1, Q, S]
-        self._blocked: torch.Tensor | None = None  # ~allowed, for the eager path only
-        self._sink_table: Table | None = None
-        self._other_bias: torch.Tensor | None = None  # sink slots and blocked -inf, else 0 (model dtype)
-        # the model's own window per layer (set by the attention function each pass; None: plain causal),
-        # and the masks of a windowed layer for this chunk: layer -> (allowed, blocked, other bias)
-        self._visible: dict[int, LayerWindow | None] = {}
-        self._layer_masks: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
-        self._shared_masks: dict[
-            tuple[LayerWindow, bool], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-        ] = {}
-        self._folded: dict[bool, torch.Tensor] = {}  # fused path: the shared masks with the group in rows
-        # position rules: the first layer the rule applies to (the others it applies to hold the same set)
-        ruled = [layer for layer, exempt in enumerate(plan.exempt or [False] * n_layers) if not exempt]
-        self._ruled = next((layer for layer in ruled if attending[layer]), 0)
-        self.calls = [0] * n_layers  # attention calls per layer since the memory was made
-        self.passes = 0  # forward passes (chunks) begun
-        # called by the attention function with (layer, query [N, H, G, Q, D], key [N, H, Q, D]) as the
-        # model produced them (the self-check reads the model's own rotation this way)
-        self.capture: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     # ---- rows (engine) ----------------------------------------------------------------------------
     def record_all_attention(self) -> None:
@@ -288,7 +257,7 @@ class SlotMemory:
 
     # ---- chunk setup (engine) -------------------------------------------------------------------
     def begin_chunk(self, starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-        """Prepare slots and masks for a pass: row i's queries are at original positions
+        """Prepare slots, masks and rotations for a pass: row i's queries are at original positions
         ``starts[i] .. starts[i] + lengths[i] - 1``, padded to Q = max(lengths) queries.
 
         Returns the position ids [N, Q] to feed the model, rising by one along every row (padded queries
@@ -297,69 +266,31 @@ class SlotMemory:
         if len(starts) != self.rows or len(lengths) != self.rows:
             raise ValueError(f"a pass of this memory has {self.rows} rows, got {len(starts)} starts")
         n_q = max(lengths)
-        end = self.retained + n_q
         self.lengths = list(lengths)
         self.passes += 1
-        self._layer_masks.clear()
-        self._shared_masks.clear()
-        self._folded.clear()
         step = torch.arange(n_q, device=self.device)
-        start = torch.tensor(list(starts), device=self.device)[:, None]
-        if min(lengths) < n_q:
-            self._pad = step >= torch.tensor(list(lengths), device=self.device)[:, None]  # [N, Q]
-        else:
-            self._pad = None
-        self.query_pos = query_pos = start + step  # [N, Q]: padded queries continue the positions
-        chunk_pos = query_pos if self._pad is None else query_pos.masked_fill(self._pad, -1)
+        pad = step >= torch.tensor(list(lengths), device=self.device)[:, None] if min(lengths) < n_q else None
+        # padded queries continue the positions
+        self.query_pos = torch.tensor(list(starts), device=self.device)[:, None] + step  # [N, Q]
+        self._place_chunk(self.query_pos if pad is None else self.query_pos.masked_fill(pad, -1))
+        reach = max(s + n - 1 for s, n in zip(starts, lengths, strict=True))
+        retained_pos = self.key_pos[..., : self.retained]
+        self.model_pos = self.rotations.begin(self.query_pos, retained_pos, reach)
+        blocked = self.record_attention or bool(self.n_sink_slots)
+        sinks = self.rotations.sink is not None
+        self.masks.begin(self.key_pos[..., : self.retained + n_q], self.query_pos, pad, blocked, sinks)
+        return self.model_pos
+
+    def _place_chunk(self, chunk_pos: torch.Tensor) -> None:
+        """The chunk's slots hold the queries' own keys at ``chunk_pos`` [N, Q] (-1 padded), their statistics
+        zero; a pair that holds no entry stays empty."""
+        end = self.retained + chunk_pos.shape[1]
         self.key_pos[..., self.retained :] = -1
         self.key_pos[..., self.retained : end] = chunk_pos[:, None, :]
         if self._empty is not None:  # a layer that does not attend, a head past its layer's, holds nothing
             self.key_pos.masked_fill_(self._empty, -1)
         for tensor in self.state.values():
             tensor[..., self.retained :] = 0
-        key_pos = self.key_pos[..., :end]
-        rows = query_pos[:, None, :]  # [N, 1, Q], against key positions [..., N, H, S]
-        if self.plan.rule is not None:
-            # position rules give every layer and head they apply to the same set
-            shared = key_pos[self._ruled : self._ruled + 1, :, :1]  # [1, N, 1, S]
-            allowed = causal(shared, rows) & self.plan.rule(rows, shared)
-        else:
-            allowed = causal(key_pos, rows)
-        self._allowed = self._padded(allowed)
-        self._blocked = ~self._allowed if self.record_attention or self.n_sink_slots else None
-        self._sink_table, self._other_bias = None, None
-        if (
-            self.n_sink_slots
-            and max(s + n - 1 for s, n in zip(starts, lengths, strict=True)) > self.plan.sink_rank
-        ):
-            delta = query_pos.clamp(max=self.plan.sink_rank) - query_pos  # rank min(t, B) minus t
-            self._sink_table = self.rotary.table(delta[:, None, None, :])  # for queries [N, H, G, Q, D]
-            self._other_bias = self._other_slots_bias(self._allowed)
-        self.model_pos = query_pos
-        self._unrotate_table, self._rank_offset = None, None
-        if self.storage is KeyStorage.ROTATED_AND_RAW:
-            self._unrotate_table = self.rotary.table(-query_pos[:, None, :])  # for keys [N, H, Q, D]
-        elif self.storage is KeyStorage.UNROTATED:
-            counts = (self.key_pos[..., : self.retained] >= 0).sum(dim=-1)  # [L, N, H]
-            n_kept = counts.amax(dim=(0, 2))  # [N]
-            self.model_pos = n_kept[:, None] + step
-            self._unrotate_table = self.rotary.table(-self.model_pos[:, None, :])
-            # a head holding fewer entries than its row's fullest: its ranks end at n_kept - 1
-            lag = n_kept[None, :, None] - counts  # [L, N, H]
-            self._rank_offset = lag[..., None] + torch.arange(self.retained, device=self.device)
-        if self.record_queries:
-            self._query_table = self.rotary.table(-self.model_pos[:, None, None, :])
-        return self.model_pos
-
-    def _padded(self, allowed: torch.Tensor) -> torch.Tensor:
-        """``allowed`` [..., N, H or 1, Q, S] with every padded query seeing its own slot only (so that
-        its softmax is defined; no real query sees a padded key, whose position is -1)."""
-        if self._pad is None:
-            return allowed
-        n_q, n_slots = allowed.shape[-2:]
-        slot = torch.arange(n_slots, device=self.device)
-        own = slot == self.retained + torch.arange(n_q, device=self.device)[:, None]  # [Q, S]
-        return torch.where(self._pad[:, None, :, None], own, allowed)
 
     # ---- attention function (per layer, all rows) ------------------------------------------------
     def attend_keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
@@ -370,15 +301,12 @@ class SlotMemory:
         key, value = key.detach(), value.detach()  # slots never hold a graph
         self.values[layer, :, :, self.retained : end] = value
         if self.storage is KeyStorage.UNROTATED:
-            self.keys[layer, :, :, self.retained : end] = self.rotary.apply(key, self._unrotate_table, layer)
-            ranks = self.rotary.table(self._rank_offset[layer])  # [N, H, R] -> cos, sin [N, H, R, rot / 2]
-            kept = self.rotary.apply(self.keys[layer, :, :, : self.retained], ranks, layer)
+            self.keys[layer, :, :, self.retained : end] = self.rotations.unrotated_keys(key, layer)
+            kept = self.rotations.ranked_keys(self.keys[layer, :, :, : self.retained], layer)
         else:
             self.keys[layer, :, :, self.retained : end] = key
             if self.storage is KeyStorage.ROTATED_AND_RAW:
-                self.raw_keys[layer, :, :, self.retained : end] = self.rotary.apply(
-                    key, self._unrotate_table, layer
-                )
+                self.raw_keys[layer, :, :, self.retained : end] = self.rotations.unrotated_keys(key, layer)
             kept = self.keys[layer, :, :, : self.retained]
         if self.track_gradient:  # the chunk's own keys and values keep the pass's graph
             chunk_values = torch.cat([self.values[layer, :, :, : self.retained], graph_value], dim=2)
@@ -391,81 +319,34 @@ class SlotMemory:
         """Called by the attention function once per layer and pass: counts the call and applies the
         layer's own window ``visible`` (None: plain causal) to its masks for this chunk."""
         self.calls[layer] += 1
-        self._visible[layer] = visible
-        if visible is None:
-            self._layer_masks.pop(layer, None)
-            return
-        shared = self._allowed.shape[0] == 1
-        exempt = bool(self.plan.exempt) and self.plan.exempt[layer]
-        if shared and (visible, exempt) in self._shared_masks:
-            self._layer_masks[layer] = self._shared_masks[visible, exempt]
-            return
-        base = self._allowed[0 if shared else layer]  # [N, H or 1, Q, S]
-        row = layer if exempt or not shared else self._ruled  # the key positions ``base`` was built from
-        key_pos = self.key_pos[row, :, : base.shape[1], : base.shape[-1]]  # [N, H or 1, S]
-        rows = self.query_pos[:, None, :]
-        if exempt:  # no position rule: the layer's own window decides
-            base = causal(key_pos, rows)
-        allowed = self._padded(base & visible(rows, key_pos.clamp_min(0)))
-        blocked = ~allowed if self._blocked is not None else None
-        bias = self._other_slots_bias(allowed) if self._other_bias is not None else None
-        self._layer_masks[layer] = (allowed, blocked, bias)
-        if shared:
-            self._shared_masks[visible, exempt] = self._layer_masks[layer]
-
-    def _other_slots_bias(self, allowed: torch.Tensor) -> torch.Tensor:
-        """Additive mask in the model's dtype: 0 where ``allowed`` lets a query attend a non-sink slot,
-        -inf on the sink slots and wherever it blocks (see :meth:`other_slots_bias`)."""
-        other = allowed.clone()
-        other[..., : self.n_sink_slots] = False
-        bias = torch.zeros(other.shape, dtype=self.keys.dtype, device=other.device)
-        return bias.masked_fill_(~other, float("-inf"))
-
-    def _layer_mask(self, layer: int, which: int, full: torch.Tensor | None) -> torch.Tensor | None:
-        """The layer's mask [N, H or 1, Q, S] over its own KV heads."""
-        if layer in self._layer_masks:
-            mask = self._layer_masks[layer][which]
-        elif full is None:
-            return None
-        else:
-            mask = full[0] if full.shape[0] == 1 else full[layer]
-        heads = self.layer_shapes[layer][0]
-        return mask[:, :heads] if mask is not None and mask.shape[1] > heads else mask
+        self.masks.enter_layer(layer, visible, self.key_pos)
 
     def allowed_mask(self, layer: int) -> torch.Tensor:
         """bool [N, H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
-        return self._layer_mask(layer, 0, self._allowed)
+        return self.masks.for_layer(layer, 0)
 
     def blocked_mask(self, layer: int) -> torch.Tensor | None:
         """The complement of :meth:`allowed_mask` (computed once per chunk where the eager path or the
         sinks need it; None otherwise)."""
-        return self._layer_mask(layer, 1, self._blocked)
+        return self.masks.for_layer(layer, 1)
 
     def other_slots_bias(self, layer: int) -> torch.Tensor:
         """Additive mask [N, H or 1, Q, R + Q] in the model's dtype: 0 where a query may attend a non-sink
         slot, -inf on the sink slots and wherever :meth:`allowed_mask` blocks (set with the sink table)."""
-        assert self._other_bias is not None
-        return self._layer_mask(layer, 2, self._other_bias)
+        assert self.masks.other_bias is not None
+        return self.masks.for_layer(layer, 2)
 
     def folded_mask(self, layer: int, group: int, bias: bool = False) -> torch.Tensor:
         """The layer's mask with the query group folded into the rows, for one fused call over queries
-        [N, H, G * Q, D]: bool [N, H or 1, G * Q, S] (``bias``: :meth:`other_slots_bias` instead). Built
-        once per pass for every layer that shares it."""
-        mask = self.other_slots_bias(layer) if bias else self.allowed_mask(layer)
-        if group == 1:
-            return mask
-        if layer in self._layer_masks or self._allowed.shape[0] != 1:  # the layer's own: folded for it
-            return _fold(mask, group)
-        if bias not in self._folded:  # one mask for every layer: folded once per pass
-            self._folded[bias] = _fold(mask, group)
-        return self._folded[bias]
+        [N, H, G * Q, D]: bool [N, H or 1, G * Q, S] (``bias``: :meth:`other_slots_bias` instead)."""
+        return self.masks.folded_for(layer, group, bias)
 
     def sink_query(self, layer: int, query: torch.Tensor) -> torch.Tensor | None:
         """Queries [N, H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed
         (and in a layer the policy leaves alone, which holds no sinks)."""
-        if self._sink_table is None or (self.plan.exempt and self.plan.exempt[layer]):
+        if self.plan.exempt and self.plan.exempt[layer]:
             return None
-        return self.rotary.apply(query, self._sink_table, layer)
+        return self.rotations.sink_queries(query, layer)
 
     def store_attention(self, layer: int, probs: torch.Tensor, rows: slice = slice(None)) -> None:
         """Attention probabilities [n, H_l, Q, R + Q] of the chunk's queries of ``rows`` over the layer's own
@@ -512,8 +393,8 @@ class SlotMemory:
             rows, n_heads, group, _, head_dim = query.shape
             shape = (self.keys.shape[0], rows, n_heads, group, self.chunk, head_dim)
             self.queries = query.new_zeros(shape)
-        self.queries[layer, :, :, :, : query.shape[3]] = self.rotary.apply(
-            query.detach(), self._query_table, layer
+        self.queries[layer, :, :, :, : query.shape[3]] = self.rotations.unrotated_queries(
+            query.detach(), layer
         )
 
     # ---- statistics and boundary (engine, all rows) -----------------------------------------------
@@ -524,19 +405,8 @@ class SlotMemory:
     def count_attended(self) -> None:
         """Add to each row's total the past entries (itself excluded) its real queries attended in the
         pass, averaged over layers and heads."""
-        counts = _visible(self._allowed) - 1  # [L or 1, N, H or 1, Q]
-        if self._layer_masks:
-            counts = counts.expand(self.keys.shape[0], -1, -1, -1).clone()
-            for layer, (allowed, *_) in self._layer_masks.items():
-                counts[layer] = (_visible(allowed) - 1).expand_as(counts[layer])
-        if self._empty is not None and counts.shape[0] > 1:  # the average over the pairs that hold entries
-            counts = counts.expand(-1, -1, self.keys.shape[2], -1).transpose(1, 2)  # [L, H, N, Q]
-            per_query = counts[~self._empty[:, 0, :, 0]].mean(dim=0)  # [N, Q]
-        else:
-            per_query = counts.mean(dim=(0, 2))  # [N, Q]
-        if self._pad is not None:
-            per_query = per_query.masked_fill(self._pad, 0)
-        self.totals[:, 0] += per_query.sum(dim=-1)
+        n_layers, _, n_heads = self.keys.shape[:3]
+        self.totals[:, 0] += self.masks.attended(n_layers, n_heads, self._empty).sum(dim=-1)
 
     def alive(self, now: torch.Tensor) -> torch.Tensor:
         """bool [L, N, H, R + Q]: candidate slots holding an entry that some query from ``now`` [N] on may
@@ -545,7 +415,7 @@ class SlotMemory:
         key_pos = self.chunk_key_pos()
         valid = key_pos >= 0
         at = now[:, None, None]  # [N, 1, Q = 1]
-        for layer, visible in self._visible.items():
+        for layer, visible in self.masks.windows.items():
             if visible is not None:
                 valid[layer] &= visible(at, key_pos[layer].clamp_min(0))[..., 0, :]
         return valid
@@ -580,12 +450,6 @@ class SlotMemory:
             tensor[..., : self.retained] = torch.gather(tensor[..., :n], -1, index)
         self.key_pos[..., : self.retained] = new_pos
         return evicted
-
-
-def _fold(mask: torch.Tensor, group: int) -> torch.Tensor:
-    """A mask [N, H or 1, Q, S] repeated for each of a group's G query heads: [N, H or 1, G * Q, S]."""
-    n, heads, n_q, n_slots = mask.shape
-    return mask[:, :, None].expand(n, heads, group, n_q, n_slots).reshape(n, heads, group * n_q, n_slots)
 
 
 class RowView:

@@ -125,7 +125,8 @@ def allocated(
             del outputs  # the graph, as the backward pass releases it
     m = memory
     kv = nbytes(m.keys, m.values, m.key_pos, *m.state.values())
-    persistent = nbytes(m._allowed, m._blocked, m._other_bias, m.attn, m.utility, *m._folded.values())
+    mk = m.masks
+    persistent = nbytes(mk.allowed, mk.blocked, mk.other_bias, m.attn, m.utility, *mk.folded.values())
     scratch = persistent
     if logits_shapes:  # fp32 logits, masked logits and probabilities [N, n_heads, Q, S]: one layer's of
         rows, kv_heads, queries, slots = logits_shapes[0]  # every stream at a time, every layer's for a

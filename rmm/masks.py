@@ -1,0 +1,187 @@
+"""The attention masks of one pass over a slot memory (:class:`~rmm.memory.SlotMemory`): which slots each
+query of the chunk may attend.
+
+Built at every chunk (:meth:`ChunkMasks.begin`) from the slots' key positions [L, N, H, S] and the
+queries' positions [N, Q], then per layer as the attention function enters it (:meth:`ChunkMasks.enter_layer`:
+the layer's own window). Shapes (S = R + Q slots, G query heads per KV head):
+
+- ``allowed``: bool [L or 1, N, H or 1, Q, S] (one layer and head where a position rule gives every
+  layer and head it applies to the same set); a padded query sees its own slot only;
+- ``blocked``: its complement, where the eager path or the sinks need it (None otherwise);
+- ``other_bias``: additive [L or 1, N, H or 1, Q, S] in the model's dtype, 0 where a query may attend a
+  non-sink slot, -inf on the sink slots and wherever ``allowed`` blocks (None without sinks);
+- ``layers``: a windowed layer's own (allowed, blocked, bias), [N, H or 1, Q, S] each;
+- ``folded``: the fused path's masks with the query group folded into the rows, [N, H or 1, G * Q, S].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rmm.recording import RecordingPlan
+
+# a layer's own window: (query_pos [..., Q], key_pos [..., S]) -> bool [..., Q, S], hashable (one per
+# layer type)
+LayerWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# a layer's masks for one pass: (allowed, blocked, other-slots bias), [N, H or 1, Q, S] each
+LayerMasks = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def causal(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """bool [..., Q, S]: the valid keys ``key_pos`` [..., S] at or before each query ``query_pos``
+    [..., Q]."""
+    keys = key_pos[..., None, :]
+    return (keys >= 0) & (keys <= query_pos[..., :, None])
+
+
+def visible_count(allowed: torch.Tensor) -> torch.Tensor:
+    """How many keys each query sees: ``allowed`` [..., Q, S] (bool) -> [..., Q] float, summed as bytes into
+    int32 (a bool sum would first copy the mask to int64)."""
+    return allowed.view(torch.uint8).sum(dim=-1, dtype=torch.int32).float()
+
+
+def fold(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """A mask [N, H or 1, Q, S] repeated for each of a group's G query heads: [N, H or 1, G * Q, S]."""
+    n, heads, n_q, n_slots = mask.shape
+    return mask[:, :, None].expand(n, heads, group, n_q, n_slots).reshape(n, heads, group * n_q, n_slots)
+
+
+class ChunkMasks:
+    """The masks of the current pass (shapes in the module docstring).
+
+    Parameters
+    ----------
+    plan : the position rule and the layers it leaves alone (``rule``, ``exempt``), the sink slots.
+    layer_heads : per layer, its own KV heads (a layer's masks are cut to them).
+    ruled : the first layer a position rule applies to (the others it applies to hold the same set).
+    dtype : the model's, for the additive bias.
+    """
+
+    def __init__(self, plan: RecordingPlan, layer_heads: Sequence[int], ruled: int, dtype: torch.dtype):
+        self.rule, self.exempt, self.n_sink_slots = plan.rule, plan.exempt, plan.n_sink_slots
+        self.layer_heads, self.ruled, self.dtype = list(layer_heads), ruled, dtype
+        self.retained = 0
+        self.query_pos = torch.empty(0, 0, dtype=torch.long)  # [N, Q]
+        self.pad: torch.Tensor | None = None  # [N, Q] padded queries, None when every row is full
+        self.allowed = torch.empty(0, dtype=torch.bool)
+        self.blocked: torch.Tensor | None = None
+        self.other_bias: torch.Tensor | None = None
+        # the model's own window per layer (set by the attention function each pass; None: plain causal)
+        self.windows: dict[int, LayerWindow | None] = {}
+        self.layers: dict[int, LayerMasks] = {}
+        self.shared: dict[tuple[LayerWindow, bool], LayerMasks] = {}  # one per window, where layers share
+        self.folded: dict[bool, torch.Tensor] = {}  # the shared masks folded, built once per pass
+
+    def begin(
+        self,
+        key_pos: torch.Tensor,
+        query_pos: torch.Tensor,
+        pad: torch.Tensor | None,
+        blocked: bool,
+        sinks: bool,
+    ) -> None:
+        """The pass's masks over the slots' ``key_pos`` [L, N, H, R + Q] for queries at ``query_pos`` [N, Q]
+        (``pad`` [N, Q]: padded queries, or None); ``blocked``: keep the complement too; ``sinks``: the
+        other-slots bias too."""
+        self.layers.clear()
+        self.shared.clear()
+        self.folded.clear()
+        self.retained = key_pos.shape[-1] - query_pos.shape[1]
+        self.query_pos, self.pad = query_pos, pad
+        rows = query_pos[:, None, :]  # [N, 1, Q], against key positions [..., N, H, S]
+        if self.rule is not None:
+            # position rules give every layer and head they apply to the same set
+            shared = key_pos[self.ruled : self.ruled + 1, :, :1]  # [1, N, 1, S]
+            allowed = causal(shared, rows) & self.rule(rows, shared)
+        else:
+            allowed = causal(key_pos, rows)
+        self.allowed = self._padded(allowed)
+        self.blocked = ~self.allowed if blocked else None
+        self.other_bias = self._other_slots_bias(self.allowed) if sinks else None
+
+    def _padded(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed`` [..., N, H or 1, Q, S] with every padded query seeing its own slot only (so that
+        its softmax is defined; no real query sees a padded key, whose position is -1)."""
+        if self.pad is None:
+            return allowed
+        n_q, n_slots = allowed.shape[-2:]
+        slot = torch.arange(n_slots, device=allowed.device)
+        own = slot == self.retained + torch.arange(n_q, device=allowed.device)[:, None]  # [Q, S]
+        return torch.where(self.pad[:, None, :, None], own, allowed)
+
+    def _other_slots_bias(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Additive mask in the model's dtype: 0 where ``allowed`` lets a query attend a non-sink slot,
+        -inf on the sink slots and wherever it blocks."""
+        other = allowed.clone()
+        other[..., : self.n_sink_slots] = False
+        bias = torch.zeros(other.shape, dtype=self.dtype, device=other.device)
+        return bias.masked_fill_(~other, float("-inf"))
+
+    def enter_layer(self, layer: int, visible: LayerWindow | None, key_pos: torch.Tensor) -> None:
+        """Apply the layer's own window ``visible`` (None: plain causal) to its masks for this pass, over the
+        memory's ``key_pos`` [L, N, H, slots]."""
+        self.windows[layer] = visible
+        if visible is None:
+            self.layers.pop(layer, None)
+            return
+        shared = self.allowed.shape[0] == 1
+        exempt = bool(self.exempt) and self.exempt[layer]
+        if shared and (visible, exempt) in self.shared:
+            self.layers[layer] = self.shared[visible, exempt]
+            return
+        base = self.allowed[0 if shared else layer]  # [N, H or 1, Q, S]
+        row = layer if exempt or not shared else self.ruled  # the key positions ``base`` was built from
+        key_pos = key_pos[row, :, : base.shape[1], : base.shape[-1]]  # [N, H or 1, S]
+        rows = self.query_pos[:, None, :]
+        if exempt:  # no position rule: the layer's own window decides
+            base = causal(key_pos, rows)
+        allowed = self._padded(base & visible(rows, key_pos.clamp_min(0)))
+        blocked = ~allowed if self.blocked is not None else None
+        bias = self._other_slots_bias(allowed) if self.other_bias is not None else None
+        self.layers[layer] = (allowed, blocked, bias)
+        if shared:
+            self.shared[visible, exempt] = self.layers[layer]
+
+    def for_layer(self, layer: int, which: int) -> torch.Tensor | None:
+        """The layer's mask [N, H or 1, Q, S] over its own KV heads: ``which`` 0 allowed, 1 blocked, 2 the
+        other-slots bias (None where the pass keeps none)."""
+        if layer in self.layers:
+            mask = self.layers[layer][which]
+        else:
+            full = (self.allowed, self.blocked, self.other_bias)[which]
+            if full is None:
+                return None
+            mask = full[0] if full.shape[0] == 1 else full[layer]
+        heads = self.layer_heads[layer]
+        return mask[:, :heads] if mask is not None and mask.shape[1] > heads else mask
+
+    def folded_for(self, layer: int, group: int, bias: bool = False) -> torch.Tensor:
+        """The layer's allowed mask (``bias``: its other-slots bias) with the query group folded into the
+        rows, [N, H or 1, G * Q, S]; built once per pass for every layer that shares it."""
+        mask = self.for_layer(layer, 2 if bias else 0)
+        if group == 1:
+            return mask
+        if layer in self.layers or self.allowed.shape[0] != 1:  # the layer's own: folded for it
+            return fold(mask, group)
+        if bias not in self.folded:  # one mask for every layer: folded once per pass
+            self.folded[bias] = fold(mask, group)
+        return self.folded[bias]
+
+    def attended(self, n_layers: int, n_heads: int, empty: torch.Tensor | None) -> torch.Tensor:
+        """[N, Q]: past entries (itself excluded) each query may attend, averaged over the (layer, KV head)
+        pairs that hold entries (``empty`` [L, 1, H, 1]: those that do not, or None); 0 for a padded
+        query."""
+        counts = visible_count(self.allowed) - 1  # [L or 1, N, H or 1, Q]
+        if self.layers:
+            counts = counts.expand(n_layers, -1, -1, -1).clone()
+            for layer, (allowed, *_) in self.layers.items():
+                counts[layer] = (visible_count(allowed) - 1).expand_as(counts[layer])
+        if empty is not None and counts.shape[0] > 1:  # the average over the pairs that hold entries
+            counts = counts.expand(-1, -1, n_heads, -1).transpose(1, 2)  # [L, H, N, Q]
+            per_query = counts[~empty[:, 0, :, 0]].mean(dim=0)  # [N, Q]
+        else:
+            per_query = counts.mean(dim=(0, 2))  # [N, Q]
+        return per_query if self.pad is None else per_query.masked_fill(self.pad, 0)
