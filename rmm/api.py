@@ -88,7 +88,8 @@ def evaluate(
     oracle_context: int | None = None,
     **policy_params: Any,
 ) -> Evaluation:
-    """Stream documents through ``model`` under a bounded KV memory and score every next-token prediction.
+    """Stream documents through ``model`` under a bounded KV memory and score every next-token prediction:
+    an :class:`Evaluation` (``ppl``, ``metrics``, ``tokens``, ``save(dir)``).
 
     Parameters
     ----------
@@ -96,47 +97,26 @@ def evaluate(
         types run exactly and which are refused); its attention implementation is switched for the
         call and restored afterwards. The engine checks itself on the model first (rmm/selfcheck.py).
     texts, tokenizer : documents as strings, tokenized as ``tokenizer(text).input_ids``; or
-    token_ids : documents as token id sequences; or
-    documents : :class:`rmm.data.Document` objects (e.g. from :func:`rmm.data.load_documents`).
+    token_ids, documents : token id sequences; or :class:`rmm.data.Document` (rmm.data.load_documents).
     policy : a registered policy name (``rmm.policies.POLICIES``) with its parameters as keyword
         arguments (``lag=32``, ``rho=0.25``, ``weight="prob"``), or a :class:`~rmm.policies.Policy`.
     budget : B, retained past entries per (layer, KV head); None for no bound.
-    chunk, positions, scope : C, ``original`` | ``cache``, ``head`` | ``layer`` | ``global``.
-    allocation : ``uniform`` | ``adaptive`` | ``pyramid``, the budget across heads and layers.
-    layers : ``all`` (the policy decides in every layer) | ``global`` (only in global layers; windowed
-        layers of a hybrid model keep what their own window shows).
-    batch : documents streamed side by side, one forward pass per chunk (a document's results do not
-        depend on it beyond fp32 rounding, docs/semantics.md).
+    chunk : C, tokens between two decisions.
+    positions, scope, allocation, layers, batch : how the stream is bounded
+        (:class:`rmm.options.StreamOptions`: ``original`` | ``cache``; ``head`` | ``layer`` | ``global``;
+        the budget across heads and layers; the policy in ``all`` or ``global`` layers; documents per pass).
     max_tokens : cut every document to its first ``max_tokens`` tokens.
     oracle_tau, oracle_context : the reference pass of the oracle policies (request threshold, window).
-
-    Returns
-    -------
-    Evaluation with ``ppl``, ``metrics``, ``tokens`` and ``save(dir)``.
     """
     code = provenance.capture()  # the code as this process found it: later edits are not attributed to it
     options = StreamOptions(positions, scope, allocation, layers, batch)
     docs = _documents(texts, tokenizer, token_ids, documents, max_tokens)
-    if isinstance(policy, Policy):
-        if policy_params:
-            raise ValueError("pass a policy's parameters either in its instance or as keywords, not both")
-    else:
-        policy = make_policy({"name": policy, **policy_params}, budget=budget, chunk=chunk)
+    policy = _as_policy(policy, budget, chunk, policy_params)
     longest = max(doc.tokens.numel() for doc in docs)
     reference = reference_pass(model, policy, longest, oracle_tau, oracle_context)
-    # the engine switches the model's attention for each pass only, and restores it after
     metrics, tokens = run_engine(StreamingEngine(model, policy, options), docs, reference)
-    config = {
-        "policy": {"name": policy.name, **_policy_parameters(policy)},
-        "budget": policy.budget,
-        "chunk": policy.chunk,
-        **options.as_dict(),
-        "max_tokens": max_tokens,
-        "oracle": {"tau": oracle_tau, "context": oracle_context},
-        "model": getattr(model.config, "name_or_path", None) or type(model).__name__,
-    }
-    device = next(model.parameters()).device
-    metrics = {**metrics, **code.metrics(), **provenance.runtime_info(device)}
+    config = _evaluation_config(model, policy, options, max_tokens, oracle_tau, oracle_context)
+    metrics = {**metrics, **code.metrics(), **provenance.runtime_info(next(model.parameters()).device)}
     return Evaluation(metrics, tokens, config, code.diff)
 
 
@@ -312,6 +292,35 @@ def _estimator_hook(policy: Policy, future: FutureRequests, pairs: list):
             pairs.append((scores[committing].cpu(), future.remaining_mass(key_pos, now)[committing].cpu()))
 
     return hook
+
+
+def _as_policy(policy: str | Policy, budget: int | None, chunk: int, params: dict[str, Any]) -> Policy:
+    """``policy`` itself (then without keyword ``params``), or the registered policy of that name."""
+    if not isinstance(policy, Policy):
+        return make_policy({"name": policy, **params}, budget=budget, chunk=chunk)
+    if params:
+        raise ValueError("pass a policy's parameters either in its instance or as keywords, not both")
+    return policy
+
+
+def _evaluation_config(
+    model: PreTrainedModel,
+    policy: Policy,
+    options: StreamOptions,
+    max_tokens: int | None,
+    oracle_tau: float,
+    oracle_context: int | None,
+) -> dict[str, Any]:
+    """What :func:`evaluate` ran, as a run directory's config.yaml holds it."""
+    return {
+        "policy": {"name": policy.name, **_policy_parameters(policy)},
+        "budget": policy.budget,
+        "chunk": policy.chunk,
+        **options.as_dict(),
+        "max_tokens": max_tokens,
+        "oracle": {"tau": oracle_tau, "context": oracle_context},
+        "model": getattr(model.config, "name_or_path", None) or type(model).__name__,
+    }
 
 
 def _documents(

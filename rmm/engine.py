@@ -316,41 +316,8 @@ class StreamingEngine:
             )
             for i, stream in enumerate(rows)
         )
-        outcomes = None
-        if plan.rule is None and "outcomes" in rows[0].policy.needs:  # 0 for a query without a target
-            width = outcome[0].shape[1]
-            targets = (
-                torch.arange(width, device=self.facts.device)
-                < torch.tensor(scored, device=self.facts.device)[:, None]
-            )
-            nll = outcome[0].masked_fill(~targets, 0)
-            outcomes = {
-                "correct": (outcome[1] & targets).float(),
-                "prob": torch.exp(-nll) * targets,
-                "nll": nll,
-            }
-        stops, views = [], []
-        for i, stream in enumerate(rows):
-            view = memory.row(i)
-            views.append(view)
-            stop = stream.schedule[stream.step][1]
-            stops.append(stop)
-            stream.step += 1
-            hooks, policy = stream.hooks, stream.policy
-            if hooks.on_chunk is not None:
-                hooks.on_chunk(stop, outcome[0][i, : scored[i]])
-            if plan.rule is None:  # a score-based policy observes the chunk
-                own = {} if outcomes is None else {k: v[i, : view.n_q] for k, v in outcomes.items()}
-                stream.obs = Observation(
-                    view.chunk_key_pos(),
-                    view.query_pos,
-                    **view.observed(policy.needs),
-                    **own,
-                    **self.constants,
-                )
-                policy.observe(view.state_view(), stream.obs)
-            if hooks.observer is not None:
-                hooks.observer(view.chunk_attention(), view.chunk_key_pos(), view.query_pos)
+        views = [memory.row(i) for i in range(len(rows))]
+        stops = self._observe(rows, views, outcome, scored)
         deciding = [i for i, stream in enumerate(rows) if not stream.done]
         if not deciding:
             return
@@ -366,6 +333,52 @@ class StreamingEngine:
         for i in deciding:
             if rows[i].hooks.on_boundary is not None:
                 rows[i].hooks.on_boundary(views[i], stops[i], evicted[:, i, :, : views[i].n])
+
+    def _observe(
+        self,
+        rows: list[_Stream],
+        views: list[RowView],
+        outcome: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        scored: list[int],
+    ) -> list[int]:
+        """Step every stream past its chunk, call its chunk hooks and let a score-based policy observe its
+        row's ``views``; returns each stream's stop (the position the chunk ends before)."""
+        score_based = self.plan.recording.rule is None
+        outcomes = (
+            self._outcomes(outcome, scored) if score_based and "outcomes" in rows[0].policy.needs else None
+        )
+        stops = []
+        for i, (stream, view) in enumerate(zip(rows, views, strict=True)):
+            stop = stream.schedule[stream.step][1]
+            stops.append(stop)
+            stream.step += 1
+            hooks, policy = stream.hooks, stream.policy
+            if hooks.on_chunk is not None:
+                hooks.on_chunk(stop, outcome[0][i, : scored[i]])
+            if score_based:  # a score-based policy observes the chunk
+                own = {} if outcomes is None else {k: v[i, : view.n_q] for k, v in outcomes.items()}
+                stream.obs = Observation(
+                    view.chunk_key_pos(),
+                    view.query_pos,
+                    **view.observed(policy.needs),
+                    **own,
+                    **self.constants,
+                )
+                policy.observe(view.state_view(), stream.obs)
+            if hooks.observer is not None:
+                hooks.observer(view.chunk_attention(), view.chunk_key_pos(), view.query_pos)
+        return stops
+
+    def _outcomes(
+        self, outcome: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scored: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """Per-query outcomes [N, Q] a policy observes (``correct``, ``prob``, ``nll``), 0 for a query
+        without a target (past the first ``scored[i]`` of row i)."""
+        width = outcome[0].shape[1]
+        device = self.facts.device
+        targets = torch.arange(width, device=device) < torch.tensor(scored, device=device)[:, None]
+        nll = outcome[0].masked_fill(~targets, 0)
+        return {"correct": (outcome[1] & targets).float(), "prob": torch.exp(-nll) * targets, "nll": nll}
 
     def _select(
         self,
