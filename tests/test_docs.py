@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,3 +129,20 @@ def test_architecture_lists_every_policy_under_its_base() -> None:
         (base,) = [base for base in lists if issubclass(cls, base)]
         assert name in lists[base], f"docs/architecture.md does not list {name} under {base.__name__}"
     assert set().union(*lists.values()) == set(POLICIES)
+
+
+def test_a_toy_study_by_the_doc_is_found_by_check_reports(tmp_path: Path) -> None:
+    """docs/studies.md's step 3 (a script studies/<name>/<name>.sh reading REPORT_ONLY) is what
+    `make check-reports` looks for: its own discovery command, run over a toy study, finds it."""
+    doc = (ROOT / "docs" / "studies.md").read_text()
+    assert "studies/<name>/<name>.sh" in doc and "REPORT_ONLY" in doc and "make check-reports" in doc
+    found = re.search(r"for script in \$\$\((grep -l REPORT_ONLY [^)]*)\)", (ROOT / "Makefile").read_text())
+    assert found, "make check-reports no longer finds the studies by REPORT_ONLY"
+    toy = tmp_path / "studies" / "toy"
+    toy.mkdir(parents=True)
+    (toy / "toy.sh").write_text(
+        'source studies/sweeps.sh\nif [ -z "${REPORT_ONLY:-}" ]; then run_sweeps; fi\n'
+        "$PY -m studies.toy.report\n"
+    )
+    listed = subprocess.run(["bash", "-c", found.group(1)], cwd=tmp_path, capture_output=True, text=True)
+    assert listed.stdout.split() == ["studies/toy/toy.sh"]
