@@ -24,7 +24,14 @@ the design guarantees three things, each with one bound stated here:
   boundary. A policy that compares its scores at d significant digits (``score_digits``: knorm, keydiff,
   lagkv, rmm's gradient weight) turns rounding noise into exact ties, except where a score sits at a
   rounding boundary: for it a near-tie is a margin within two units of the last digit, 2 x 10^(1 - d),
-  exact ties included (:func:`tie_margin`).
+  exact ties included (:func:`tie_margin`). A policy whose scores count comparisons of a statistic with a
+  threshold (lru's and the oracles' ``a >= tau``) also decides at the threshold: a comparison whose
+  statistic lies within :data:`TIE_MARGIN` of tau, relative, may go the other way on another machine and
+  move a score by a whole step (lru: a last use; the oracles: a request). Its decision margin is therefore
+  also at most the relative distance |a - tau| / tau of such a comparison wherever flipping those
+  comparisons could change what the decision kept (:meth:`rmm.policies.ScorePolicy.score_bounds`,
+  :func:`rmm.policies.select.threshold_margin`; measured: a committed lru run re-made on this machine
+  first kept another set where one attention was 1 fp32 unit above tau, 7.1e-8 relative).
 - :data:`CORRECT_MARGIN`: ``correct`` (argmax == target) is a near-tie when the top-1 and top-2
   log-probabilities of the query differ by less than 1e-3 nats, about three times :data:`NLL_BOUND`.
 
@@ -41,9 +48,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 NLL_BOUND = 3e-4  # nats per token, fp32 (see the module docstring)
 TIE_MARGIN = 1e-4  # relative score gap of a decision
@@ -207,7 +217,8 @@ def diverge(a: Trace, b: Trace) -> Divergence:
         unseen = [t for t in unseen if np.any(near_tie(_margins(a, b, t), digits))]
         if unseen:
             t = unseen[0]
-            cause = f"a near-tie decision at boundary {t} (margin {_margins(a, b, t).min():.2g}) before it"
+            margin = (m := _margins(a, b, t))[near_tie(m, digits)].min()
+            cause = f"a near-tie decision at boundary {t} (margin {margin:.2g}) before it"
     before = diff[:first][~both_nan[:first]]
     return Divergence(first, what, cause, float(before.max(initial=0.0)))
 

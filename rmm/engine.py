@@ -28,6 +28,7 @@ from rmm.policies.select import (
     kept_digest,
     rule_keep,
     select,
+    threshold_margins,
 )
 from rmm.recording import RecordingPlan
 from rmm.selfcheck import SelfCheck
@@ -395,12 +396,13 @@ class StreamingEngine:
         valid = memory.alive(now)  # [L, N, H, S]: entries a layer's own window hides from now on are gone
         key_pos = torch.where(valid, memory.chunk_key_pos(), -1)
         width = valid.shape[-1]
-        scores = []
+        scores, bounds = [], []
         for i in deciding:
             stream, view = rows[i], views[i]
             obs = stream.obs
             obs.key_pos = key_pos[:, i, :, : view.n]  # no policy ranks what is gone
             score = stream.policy.score(view.state_view(), obs, stops[i])
+            bounds.append(stream.policy.score_bounds(view.state_view(), obs, stops[i]))
             if stream.hooks.before_boundary is not None:
                 stream.hooks.before_boundary(view, obs, stops[i], score)
             scores.append(torch.nn.functional.pad(score, (0, width - view.n)) if view.n < width else score)
@@ -422,6 +424,7 @@ class StreamingEngine:
             keep, margin, digest = (x[None] for x in decide(scores[0], *(x[0] for x in picked)))
         else:  # one computation for every deciding row, each on its own [L, H, S]
             keep, margin, digest = torch.func.vmap(decide)(torch.stack(scores), *picked)
+        margin = threshold_margins(margin, bounds, picked[1], keep, *how)  # lru's, the oracles' tau
         _copy_all((rows[i].decision_slots(stops[i]), (margin[j], digest[j])) for j, i in enumerate(deciding))
         if len(deciding) == len(rows):
             return keep.movedim(0, 1)

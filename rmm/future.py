@@ -9,11 +9,18 @@ The reference pass also scores its own predictions: per query s, ``correct`` (ar
 x_{s+1}), ``prob`` (p(x_{s+1} | s)) and ``uniform`` (1), with 0 for the last query's ``correct`` and
 ``prob`` (it has no target). The remaining utility weights each request's attention by its query's
 weight (the smoother, rmm's H = infinity limit).
+
+Events whose attention lies within :data:`rmm.divergence.TIE_MARGIN` of tau (relative) are near-ties:
+another machine may record them the other way. The reference pass records them down to
+tau (1 - TIE_MARGIN), and :meth:`FutureRequests.bounds` gives the requests had all of them gone against the
+request or for it (the oracles' score bounds, :meth:`rmm.policies.ScorePolicy.score_bounds`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from rmm.divergence import TIE_MARGIN
 
 
 class FutureRequests:
@@ -25,6 +32,8 @@ class FutureRequests:
     mass : [E] float reference attention of each event.
     query_weights : weight name -> [n_tokens] float, the reference pass's own weight of each query
         (``correct``, ``prob``); ``uniform`` is implied.
+    tau : the request threshold the events were recorded at (None: every event is a request); events below
+        it are near misses, kept apart with the near hits (``near_codes``, ``near_mass``).
     """
 
     def __init__(
@@ -35,7 +44,21 @@ class FutureRequests:
         codes: torch.Tensor,
         mass: torch.Tensor,
         query_weights: dict[str, torch.Tensor] | None = None,
+        tau: float | None = None,
     ):
+        self.tau = tau
+        near = torch.zeros_like(codes, dtype=torch.bool)
+        if tau is not None:
+            near = (mass.double() / tau - 1).abs() < TIE_MARGIN
+            codes, mass, self.near_codes, self.near_mass = (
+                codes[mass >= tau],
+                mass[mass >= tau],
+                codes[near],
+                mass[near],
+            )
+        else:
+            self.near_codes, self.near_mass = codes[near], mass[near]
+        self._bounds: tuple[FutureRequests, FutureRequests] | None = None
         order = torch.argsort(codes)
         self.n_layers, self.n_heads, self.n_tokens = n_layers, n_heads, n_tokens
         self.codes = codes[order]
@@ -88,3 +111,41 @@ class FutureRequests:
         start = torch.searchsorted(self.codes, base + now)
         stop = torch.searchsorted(self.codes, base + self.n_tokens)
         return (cum[stop] - cum[start]).float().to(key_pos.device)
+
+    def recorded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every recorded event's code and fp32 mass, requests and near misses: what the constructor takes."""
+        miss = (
+            self.near_mass < self.tau
+            if self.tau is not None
+            else torch.zeros_like(self.near_codes, dtype=bool)
+        )
+        return torch.cat([self.codes, self.near_codes[miss]]), torch.cat(
+            [self.mass.float(), self.near_mass[miss].float()]
+        )
+
+    def bounds(self) -> tuple[FutureRequests, FutureRequests]:
+        """The requests had every near-tie with tau gone against the request, and for it."""
+        if self._bounds is None:
+            hit = self.near_mass >= self.tau
+            firm = ~torch.isin(self.codes, self.near_codes[hit])
+            loose = (
+                torch.cat([self.codes, self.near_codes[~hit]]),
+                torch.cat([self.mass, self.near_mass[~hit].double()]),
+            )
+            shape, weights = (self.n_layers, self.n_heads, self.n_tokens), self.query_weights
+            self._bounds = (
+                FutureRequests(*shape, self.codes[firm], self.mass[firm], weights),
+                FutureRequests(*shape, *loose, weights),
+            )
+        return self._bounds
+
+    def threshold_distance(self, key_pos: torch.Tensor, now: int) -> torch.Tensor:
+        """[L, H, S] float64: the smallest |a/tau - 1| of a near-tie event of each key from a query s >= now
+        (inf where none)."""
+        n = self.n_tokens
+        later = self.near_codes % n >= now
+        table = torch.full((self.n_layers * self.n_heads * n,), torch.inf, dtype=torch.float64)
+        distance = (self.near_mass[later].double() / self.tau - 1).abs()
+        table.scatter_reduce_(0, self.near_codes[later] // n, distance, "amin")
+        found = table[(self._bases(key_pos) // n).cpu()].to(key_pos.device)
+        return torch.where(key_pos >= 0, found, torch.inf)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from rmm.divergence import TIE_MARGIN
 from rmm.engine import StreamHooks, StreamingEngine, StreamRequest
 from rmm.future import FutureRequests
 from rmm.policies.window import Window
@@ -38,7 +39,9 @@ class RequestRecorder:
         """attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]."""
         n_layers, n_heads = attn.shape[:2]
         self.shape = (n_layers, n_heads)
-        layer, head, q, s = torch.nonzero(attn >= self.tau, as_tuple=True)
+        layer, head, q, s = torch.nonzero(
+            attn >= self.tau * (1 - TIE_MARGIN), as_tuple=True
+        )  # near misses too
         keys = key_pos[layer, head, s]
         queries = query_pos[q]
         self.events.append(
@@ -54,7 +57,7 @@ class RequestRecorder:
         mass = torch.cat([e[1] for e in self.events])
         lh, keys, queries = triples
         codes = (lh * n_tokens + keys) * n_tokens + queries
-        return FutureRequests(*self.shape, n_tokens, codes, mass, query_weights)
+        return FutureRequests(*self.shape, n_tokens, codes, mass, query_weights, self.tau)
 
 
 def record_future(

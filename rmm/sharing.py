@@ -156,6 +156,7 @@ class ReferenceCache:
                 stored["codes"],
                 stored["mass"],
                 stored["query_weights"],
+                stored.get("tau"),
             )
             for stored in torch.load(path, weights_only=True)
         ]
@@ -168,9 +169,9 @@ class ReferenceCache:
                 "n_layers": future.n_layers,
                 "n_heads": future.n_heads,
                 "n_tokens": future.n_tokens,
-                "codes": future.codes,
-                "mass": future.mass.float(),
+                **dict(zip(("codes", "mass"), future.recorded(), strict=True)),
                 "query_weights": future.query_weights,
+                "tau": future.tau,
             }
             for future in futures
         ]

@@ -103,6 +103,65 @@ def test_the_engine_records_margins_and_digests():
     assert (result.margin >= 0).all() and result.margin.shape == result.nll.shape
 
 
+def _threshold_flip(stream_at, observed: list[float]) -> None:
+    """A statistic a observed exactly at the threshold (``stream_at(a)``: a >= tau holds) and one fp32 unit
+    below it (it fails): the first streams whose kept sets differ must differ after near-ties only, in
+    every (layer, KV head) that kept another set."""
+    for value in sorted(set(observed)):
+        above = float(np.nextafter(np.float32(value), np.float32(1.0)))
+        at, below = (Trace.of(stream_at(t)) for t in (value, above))
+        if at.kept != below.kept:
+            break
+    else:
+        raise AssertionError("no statistic at the threshold changed a decision")
+    found = diverge(at, below)
+    assert found.first is not None and found.ok, found.describe()
+    t = min(t for t in at.kept if at.kept[t] != below.kept[t])
+    flipped = [k for k, (x, y) in enumerate(zip(at.kept[t], below.kept[t], strict=True)) if x != y]
+    assert np.all(near_tie(np.fmin(at.decisions[t], below.decisions[t])[flipped]))
+
+
+def test_a_statistic_at_the_threshold_is_a_near_tie_of_lru():
+    """lru counts a use where a >= tau: one fp32 unit of a, another machine's rounding, moves a last use by a
+    whole step, so the decision it changes is a near-tie (the committed lru B=512 run, re-made on another
+    machine, first kept another set where one attention was 1 unit above tau, docs/semantics.md)."""
+    from rmm.engine import StreamingEngine
+    from rmm.policies import make_policy
+
+    model = tiny_model("llama")
+    tokens = sampled_stream(model, 40)
+    seen: list[float] = []
+
+    def record(view, obs, now, score):
+        seen.extend(obs.attention[obs.attention > 0.05].tolist()[::7])
+
+    def stream_at(tau: float, hook=None):
+        policy = make_policy({"name": "lru", "tau": tau}, budget=8, chunk=4)
+        return StreamingEngine(model, policy, positions="cache").stream(tokens, before_boundary=hook)
+
+    stream_at(0.1, record)
+    _threshold_flip(stream_at, seen)
+
+
+def test_a_request_at_the_threshold_is_a_near_tie_of_the_oracles():
+    """The oracles' requests are reference attentions a >= tau: a request one fp32 unit from tau (the
+    committed oracle future_utility B=256 run, re-made: 3.3e-6 relative) changes a decision as a near-tie."""
+    from rmm.engine import StreamingEngine
+    from rmm.lookahead import record_future
+    from rmm.policies import make_policy
+
+    model = tiny_model("llama")
+    tokens = sampled_stream(model, 40)
+    seen = record_future(model, tokens, 0.05, 40).mass.tolist()[::7]
+
+    def stream_at(tau: float):
+        policy = make_policy({"name": "oracle", "variant": "future_utility"}, budget=8, chunk=4)
+        policy.prepare(tokens, lambda stream: record_future(model, stream, tau, 40))
+        return StreamingEngine(model, policy).stream(tokens)
+
+    _threshold_flip(stream_at, seen)
+
+
 # h2o, rmm(correct) and rmm's gradient weight (whose utilities round with the kernels: compared at 3 digits)
 KERNEL_CASES = (("h2o", {}), ("rmm", {"lag": 3}), ("rmm", {"lag": 3, "weight": "gradient"}))
 _WORKER = f"""

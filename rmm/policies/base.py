@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
+from rmm.divergence import TIE_MARGIN
+
 if TYPE_CHECKING:
     from rmm.future import FutureRequests
 
@@ -247,6 +249,16 @@ class ScorePolicy(Policy):
     def observe(self, state: dict[str, torch.Tensor], obs: Observation) -> None:
         """Update ``state`` ([L, H, S] each) in place from the chunk's observation."""
 
+    def score_bounds(
+        self, state: dict[str, torch.Tensor], obs: Observation, now: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a policy whose scores count comparisons of a statistic with a threshold (``a >= tau``): the
+        scores [L, H, S] had every comparison within :data:`rmm.divergence.TIE_MARGIN` of the threshold
+        (relative, :func:`threshold_distance`) gone the lowering way, the same the raising way, and each
+        slot's smallest such distance [L, H, S] (inf where none). They make the threshold part of the
+        decision's margin (:func:`rmm.policies.select.threshold_margin`). None (default): no threshold."""
+        return None
+
     @abstractmethod
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         """Retention priority [L, H, S] at boundary ``now`` (the next query's position); higher keeps.
@@ -340,6 +352,17 @@ def significant(scores: torch.Tensor, digits: int = SCORE_DIGITS) -> torch.Tenso
     magnitude = torch.where(finite, x.abs(), torch.ones_like(x))
     scale = torch.pow(10.0, torch.floor(torch.log10(magnitude)) - (digits - 1))
     return torch.where(finite, torch.round(x / scale) * scale, x)
+
+
+def threshold_distance(statistic: torch.Tensor, threshold: float) -> torch.Tensor:
+    """|statistic / threshold - 1| (float64, the shape of ``statistic``): a comparison of the statistic with
+    ``threshold`` closer than :data:`rmm.divergence.TIE_MARGIN` may go the other way on another machine."""
+    return (statistic.double() / threshold - 1).abs()
+
+
+def near_threshold(statistic: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Where a comparison of ``statistic`` with ``threshold`` is a near-tie (bool, the same shape)."""
+    return threshold_distance(statistic, threshold) < TIE_MARGIN
 
 
 def weighted_attention(attn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,27 @@ class Oracle(ScorePolicy):
         self.future = reference(tokens)
 
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
+        return self._score(self._future(), obs.key_pos, now)
+
+    def score_bounds(
+        self, state: dict[str, torch.Tensor], obs: Observation, now: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The scores had every request within the near-tie margin of tau gone the other way
+        (:meth:`rmm.future.FutureRequests.bounds`), and each key's nearest such request."""
+        future = self._future()
+        if future.tau is None:
+            return None
+        low, high = (self._score(f, obs.key_pos, now) for f in future.bounds())
+        return low, high, future.threshold_distance(obs.key_pos, now)
+
+    def _future(self) -> FutureRequests:
         if self.future is None:
             raise RuntimeError("oracle.prepare(tokens, reference) must run before the stream")
+        return self.future
+
+    def _score(self, future: FutureRequests, key_pos: torch.Tensor, now: int) -> torch.Tensor:
         if self.variant == "future_mass":
-            return self.future.remaining_mass(obs.key_pos, now)
+            return future.remaining_mass(key_pos, now)
         if self.variant == "future_utility":
-            return self.future.remaining_utility(obs.key_pos, now, self.weight)
-        return -self.future.next_request(obs.key_pos, now).float()
+            return future.remaining_utility(key_pos, now, self.weight)
+        return -future.next_request(key_pos, now).float()

@@ -85,6 +85,62 @@ def decision_margin(
     return margin if layer is None else torch.minimum(margin, layer[:, None])
 
 
+def threshold_margin(
+    bounds: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    valid: torch.Tensor,
+    keep: torch.Tensor,
+    scope: str = "head",
+    reduce: str = "sum",
+    floor: int | None = None,
+) -> torch.Tensor:
+    """The threshold part [L, H] of the margin of the decision ``keep`` [L, H, S] of a policy with score
+    bounds (low, high, distance [L, H, S]: :meth:`rmm.policies.ScorePolicy.score_bounds`): the smallest
+    distance of a slot that may change sides (its bounds differ, and a kept slot's low score reaches the
+    highest evicted high score, or an evicted slot's high score the lowest kept low score; under
+    ``floor`` over the layer); +inf where none may. At least the smallest positive float: a statistic
+    exactly at its threshold is a near-tie too."""
+    low, high = (share(x.float(), scope, reduce) for x in bounds[:2])
+    distance = -share(-bounds[2].float(), scope, "max")
+    kept, evicted = valid & keep, valid & ~keep
+    lowest = torch.where(kept, low, torch.inf).amin(-1, keepdim=True)
+    highest = torch.where(evicted, high, -torch.inf).amax(-1, keepdim=True)
+    if floor is not None:  # adaptive allocation: a layer's heads compete for its slots
+        lowest, highest = lowest.amin(1, keepdim=True), highest.amax(1, keepdim=True)
+    moves = (low < high) & ((kept & (low <= highest)) | (evicted & (high >= lowest)))
+    margin = torch.where(moves, distance, torch.inf).amin(-1)
+    return margin.clamp(min=torch.finfo(margin.dtype).tiny)
+
+
+def threshold_margins(
+    margin: torch.Tensor,
+    bounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],
+    valid: torch.Tensor,
+    keep: torch.Tensor,
+    scope: str = "head",
+    reduce: str = "sum",
+    floor: int | None = None,
+) -> torch.Tensor:
+    """``margin`` [N, L, H] of N rows' decisions ``keep`` [N, L, H, S] (``valid`` alike), each at most its
+    :func:`threshold_margin` where its policy has score ``bounds`` (per row, [L, H, S'] with S' <= S); an
+    exact tie (margin 0) whose sides a near comparison may change takes the threshold part too."""
+    if bounds[0] is None:
+        return margin
+    width = keep.shape[-1]
+    parts = [
+        threshold_margin(
+            tuple(torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in row),
+            valid[j],
+            keep[j],
+            scope,
+            reduce,
+            floor,
+        )
+        for j, row in enumerate(bounds)
+    ]
+    part = torch.stack(parts).to(margin.dtype)
+    return torch.where(margin > 0, torch.minimum(margin, part), torch.where(part < torch.inf, part, margin))
+
+
 _PRIME = 2**31 - 1
 
 
