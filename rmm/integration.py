@@ -16,14 +16,15 @@ sliding and chunked windows per layer type, attention logit soft-capping, learne
 :mod:`rmm.selfcheck`). Anything else is refused with :class:`~rmm.errors.UnsupportedModelError` before
 any token is scored: :func:`check_model` (the config), :func:`install` (the model must switch to the
 attention function), the call check in :func:`bounded_attention` (unknown keywords, masks not built
-through the interface, head shapes, a second call of a layer in one pass) and
-the self-check (:mod:`rmm.selfcheck`).
+through the interface, head shapes, a second call of a layer in one pass), a mask that the model
+computes with as a tensor (:class:`ModelMask`) and the self-check (:mod:`rmm.selfcheck`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import typing
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import (
+    Cache,
     DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
@@ -131,6 +133,17 @@ class ModelMask:
                 "the bounded attention cannot follow; this model is not supported"
             )
         return self
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None):
+        """Refuse a model that computes with its mask as a tensor (GIT adds it to attention scores it
+        computes itself): its attention never calls the bounded attention."""
+        raise UnsupportedModelError(
+            f"the model computes with its attention mask as a tensor ({getattr(func, '__name__', func)}): it "
+            "applies the mask itself, to attention scores it computes outside transformers' attention "
+            "interface (as GIT's text layers do), so its attention never calls the bounded attention and the "
+            "memory would bound nothing; this model is not supported"
+        )
 
 
 def model_mask(*, mask_function: Callable = causal_mask_function, **kwargs) -> ModelMask:
@@ -439,9 +452,28 @@ def install(model: PreTrainedModel) -> Iterator[None]:
             "supported"
         )
     try:
-        yield
+        with text_only_masks(model):
+            yield
     finally:
         model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def text_only_masks(model: PreTrainedModel) -> Iterator[None]:
+    """``with text_only_masks(model):`` the model builds its masks for text alone. Where image tokens
+    attend each other bidirectionally (``use_bidirectional_attention="vision"``: Gemma 4 unified), the
+    model ORs its causal masks with a function of a per-pass tensor of image-block ids, which a stream of
+    token ids leaves all -1 (that function unmasks nothing), but which cannot be evaluated at a stream's
+    original positions; the block builds the model's masks without it (restored on leaving)."""
+    config = model.config.get_text_config()
+    vision = getattr(config, "use_bidirectional_attention", None) == "vision"
+    if vision:
+        config.use_bidirectional_attention = None
+    try:
+        yield
+    finally:
+        if vision:
+            config.use_bidirectional_attention = "vision"
 
 
 @contextlib.contextmanager
@@ -582,11 +614,21 @@ def carried_layers(model: PreTrainedModel) -> list[int]:
     kinds = set(getattr(config, "layer_types", None) or [])
     if kinds <= PLAIN_ATTENTION_LAYER_TYPES | STATELESS_LAYER_TYPES:
         return []
+    mixers = ", ".join(sorted(kinds - ATTENTION_LAYER_TYPES - STATELESS_LAYER_TYPES)) or "hybrid"
+    own = own_cache_class(model)
+    if own is not None:
+        raise UnsupportedModelError(
+            f"{name_of(model)} keeps the state of its {mixers} layers in a cache class of its own "
+            f"({own.__name__}), which its forward requires instead of transformers' DynamicCache; the "
+            "harness carries such state only in transformers' cache layers (the model's own DynamicCache), "
+            f"so this model is not supported (carrying {own.__name__}'s state per stream in "
+            "integration.CarriedState, and in the reference, would extend it)"
+        )
     try:
         layers = DynamicCache(config=model.config).layers
     except Exception as err:
         raise UnsupportedModelError(
-            f"{name_of(model)} has layers that are not attention ({', '.join(sorted(kinds))}) whose state "
+            f"{name_of(model)} has layers that are not attention ({mixers}) whose state "
             f"transformers' DynamicCache cannot hold ({type(err).__name__}: {err}), so it would restart at "
             "every chunk; this model is not supported"
         ) from err
@@ -597,6 +639,22 @@ def carried_layers(model: PreTrainedModel) -> list[int]:
             "recurrent state nor replaces by its slot memory; this model is not supported"
         )
     return [i for i, layer in enumerate(layers) if isinstance(layer, CARRIED_CACHE_LAYERS)]
+
+
+def own_cache_class(model: PreTrainedModel) -> type | None:
+    """The cache class of its own that the model's forward takes instead of transformers' caches
+    (MiniMax's ``MiniMaxCache``, which its forward requires), read from the ``cache`` annotations of its
+    (sub)models' forward; None when they take transformers' own (``Cache``, ``DynamicCache``, ...)."""
+    keyword = cache_keyword(model)
+    for module in model.modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        parameter = inspect.signature(module.forward).parameters.get(keyword)
+        annotation = None if parameter is None else parameter.annotation
+        for kind in typing.get_args(annotation) or (annotation,):
+            if isinstance(kind, type) and issubclass(kind, Cache) and kind.__module__ != Cache.__module__:
+                return kind
+    return None
 
 
 def _known_cache_layers() -> set[str]:

@@ -186,6 +186,41 @@ def kv_shared_layers(config: PretrainedConfig) -> list[int]:
     return [i for i, mode in enumerate(getattr(config, "kv_sharing_modes", None) or []) if mode == "reuse"]
 
 
+def check_attention_heads(config: PretrainedConfig, name: str) -> None:
+    """Refuse a (text) config that states no attention heads (``num_attention_heads``): a model without
+    attention layers (Mamba, RWKV, xLSTM: recurrent or state-space layers only), or one whose attention
+    layers are split over sub-models of their own (BLT's byte-level encoder, patch transformer and decoder,
+    each a sub-config with its own layers and heads)."""
+    try:
+        if config.num_attention_heads is not None:
+            return
+    except AttributeError:
+        pass
+    except Exception:  # transformers gives no global value of a per-layer attribute: heads per layer
+        return
+    stacks = sorted(key for key in getattr(config, "sub_configs", None) or {} if _has_heads(config, key))
+    if stacks:
+        raise UnsupportedModelError(
+            f"{name} splits its attention layers over sub-models with their own layers and heads "
+            f"({', '.join(stacks)}) and states none for the model itself (BLT: a local encoder and decoder "
+            "over bytes, a global transformer over the patches an entropy model forms in each pass, "
+            "cross-attention between bytes and patches); the slot memory holds one stack of self-attention "
+            "layers over the stream's tokens, so this model is not supported"
+        )
+    kinds = sorted(set(getattr(config, "layer_types", None) or []))
+    raise UnsupportedModelError(
+        f"{name} has no attention layers, so it keeps no KV cache and there is nothing for a KV eviction "
+        "policy to bound: its config states no attention heads (num_attention_heads)"
+        + (f", its layer types are {', '.join(kinds)}" if kinds else "")
+        + " (recurrent or state-space layers, as Mamba's, RWKV's and xLSTM's, whose state does not grow "
+        "with the stream)"
+    )
+
+
+def _has_heads(config: PretrainedConfig, key: str) -> bool:
+    return getattr(getattr(config, key, None), "num_attention_heads", None) is not None
+
+
 def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     """Shape facts the engine needs for its memory and KV-bytes accounting, read from the (text) config.
 
@@ -198,10 +233,11 @@ def describe_model(model: PreTrainedModel) -> dict[str, Any]:
     Where the config keeps shapes per layer (:func:`layer_shapes`) they are the widest layer's, which the
     slot memory holds every layer in.
 
-    Raises :class:`UnsupportedModelError` when the config does not state one number of layers, heads,
-    KV heads and head dimension (recurrent models without attention heads).
+    Raises :class:`UnsupportedModelError` when the config states no attention heads
+    (:func:`check_attention_heads`) or not one number of layers, heads, KV heads and head dimension.
     """
     config = model.config.get_text_config()
+    check_attention_heads(config, f"{type(model).__name__} ({config.model_type})")
     try:
         n_heads = config.num_attention_heads
         per_layer = layer_shapes(config)

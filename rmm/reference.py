@@ -179,6 +179,8 @@ def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
     """
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     if layer_type is not None:
+        if params[layer_type] is None:  # a layer type without rotary positions (Beam's NoPE full layers)
+            return []
         params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -352,10 +354,18 @@ def reference_stream(
     ``spec.attention_log``. The model's attention implementation is restored afterwards.
     """
     previous = model.config._attn_implementation
+    config = model.config.get_text_config()
+    # image tokens attend bidirectionally within their image ("vision": Gemma 4 unified): a stream of token
+    # ids has none, so the model's masks are its causal ones, built without the per-pass image-block ids
+    vision = getattr(config, "use_bidirectional_attention", None) == "vision"
+    if vision:
+        config.use_bidirectional_attention = None
     try:
         return _reference_stream(model, tokens, spec, record_attention)
     finally:
         model.set_attn_implementation(previous)
+        if vision:
+            config.use_bidirectional_attention = "vision"
 
 
 def _reference_stream(

@@ -20,7 +20,14 @@ from rmm.data import DatasetStats, Document, check_dataset, load_documents
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
-from rmm.models import describe_model, load_model, peek_config, resolve_device, resolve_dtype
+from rmm.models import (
+    check_attention_heads,
+    describe_model,
+    load_model,
+    peek_config,
+    resolve_device,
+    resolve_dtype,
+)
 from rmm.options import StreamOptions
 from rmm.planning import check_latent, check_layer_shapes
 from rmm.policies import Policy, ScorePolicy, make_policy
@@ -154,6 +161,7 @@ def build(cfg: DictConfig, reference_cache: sharing.ReferenceCache | None = None
     config = peek_config(cfg.model)  # what its config.json alone refuses, before the weights load
     if config is not None:
         name = f"{cfg.model.name} ({config.model_type})"
+        check_attention_heads(config, name)
         check_latent(config, name, policy, cfg.scope)
         check_layer_shapes(config, name, policy, cfg.allocation)
     model, tokenizer = load_model(cfg.model, device, dtype)

@@ -8,7 +8,10 @@ A probe, the first tokens of the longest stream to come, goes through these chec
    (same masks, unlimited memory); in every attention layer the keys (and queries, where the stream
    moves them) of the second pass must be :class:`~rmm.rotary.Rotary`'s rotation of the first's.
    :meth:`~rmm.rotary.Rotary.calibrate` picks each layer's rotation from the model's own candidates
-   (per-layer-type frequencies, either pairing, none for NoPE layers) and refuses a layer none reproduces.
+   (per-layer-type frequencies, either pairing, none for NoPE layers) and refuses a layer none reproduces,
+   naming an earlier layer whose queries change with their absolute position where there is one. Under
+   ``positions=cache`` it runs for position rules too, queries included: they keep original distances,
+   which holds only where a shift of every position changes keys and queries by their rotation alone.
 2. **Attention calls**: every attention layer (:func:`rmm.integration.attention_layers`) called the
    bounded attention exactly once per pass, and no other layer did. A model that bypasses the
    registered attention, or calls it twice in a layer, is refused.
@@ -101,7 +104,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     start = time.perf_counter()
     try:
         probe = tokens[: probe_length(engine, tokens.numel())].to(engine.facts.device)
-        rotations = _check_rotation(engine, probe) if engine.plan.recording.moves_positions else {}
+        rotations = _check_rotation(engine, probe) if _renumbers(engine) else {}
         difference, step, in_batch = _check_stream(engine, probe)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{integration.name_of(model)} failed the self-check: {err}") from err
@@ -224,6 +227,37 @@ def _check_calls(engine: Checkable, calls: list[int], passes: int) -> None:
         )
 
 
+def _renumbers(engine: Checkable) -> bool:
+    """Whether the stream moves keys or queries to other positions, or renumbers them (position rules
+    under ``positions=cache`` on a rotary model, which hold only where a shift of every position
+    changes each layer's keys and queries by its rotation alone)."""
+    cache = engine.options.positions == "cache" and bool(engine.facts.rotary.candidates)
+    return engine.plan.recording.moves_positions or cache
+
+
+def _queries_moved(
+    rotary: Rotary, captured: list[tuple[dict, dict]], tolerance: float
+) -> UnsupportedModelError | None:
+    """Where a layer's keys at shifted positions are no rotation of its keys: the first earlier layer
+    whose keys rotate but whose queries do not (Beam's NoPE layers scale queries by their position),
+    which makes every later layer's keys depend on absolute positions; None when there is none."""
+    (keys0, queries0), (keys1, queries1) = captured
+    for layer in keys0:
+        if rotary.error(layer, keys0[layer], keys1[layer], ROTATION_SHIFT) > tolerance:
+            return None  # this layer's keys fail first: no earlier cause among the queries
+        error = rotary.error(layer, queries0[layer], queries1[layer], ROTATION_SHIFT)
+        if error > tolerance:
+            return UnsupportedModelError(
+                f"layer {layer} changes its queries with their absolute position beyond RoPE (Beam's NoPE "
+                f"layers scale them by the position: at positions shifted by {ROTATION_SHIFT} they are no "
+                f"rotation of the same queries, relative error {error:.3g}, tolerance {tolerance:g}, while "
+                "its keys are), so the keys of the layers after it depend on absolute positions and no "
+                "rotation moves them to other positions; use positions=original with a policy that reads "
+                "no keys or queries"
+            )
+    return None
+
+
 def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[str, float]]:
     """Calibrate and check the engine's per-layer rotations against the model's own."""
     n = min(probe.numel(), ROTATION_TOKENS)
@@ -249,8 +283,16 @@ def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[s
         captured.append((keys, queries))
     (keys0, queries0), (keys1, queries1) = captured
     tolerance = ROTATION_TOLERANCE.get(engine.facts.dtype, 1e-3)
-    found = engine.facts.rotary.calibrate(keys0, keys1, ROTATION_SHIFT, tolerance)
-    if engine.plan.recording.record_queries or engine.plan.recording.n_sink_slots:
+    try:
+        found = engine.facts.rotary.calibrate(keys0, keys1, ROTATION_SHIFT, tolerance)
+    except UnsupportedModelError as err:
+        cause = _queries_moved(engine.facts.rotary, captured, tolerance)
+        if cause is None:
+            raise
+        raise cause from err
+    recording = engine.plan.recording  # a position rule under cache positions keeps queries where they are
+    renumbered = recording.rule is not None and engine.options.positions == "cache"
+    if recording.record_queries or recording.n_sink_slots or renumbered:
         for layer in queries0:
             error = engine.facts.rotary.error(layer, queries0[layer], queries1[layer], ROTATION_SHIFT)
             if error > tolerance:

@@ -31,6 +31,7 @@ from checks.architectures import (
 )
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
+from rmm.models import check_attention_heads
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 from rmm.rotary import Rotary, table_frequencies
@@ -39,7 +40,7 @@ TYPES = causal_lm_types()
 # the architectures the harness is documented to support: the matrix must find them exact
 SUPPORTED = (
     "llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2",
-    "deepseek_v2", "deepseek_v3", "gemma4_text", "jetmoe", "falcon",
+    "deepseek_v2", "deepseek_v3", "gemma4_text", "gemma4_unified", "jetmoe", "falcon",
 )  # fmt: skip
 
 
@@ -80,6 +81,20 @@ REFUSED = {
     "diffllama": r"calls attention twice per layer and pass \(same queries and keys, other values\)",
     "mimo_v2_flash": r"hands attention 4 KV heads in layer 1, not the config's 2 nor copies of them",
     "gpt_neox_japanese": r"did not switch to the attention function 'rmm_bounded'",
+    "git": r"computes with its attention mask as a tensor \(add\): it applies the mask itself, to "
+    r"attention scores it computes outside transformers' attention interface",
+}
+# what the config (and the model's forward signature) refuses, before any token streams
+REFUSED_UP_FRONT = {
+    "mamba": r"has no attention layers, so it keeps no KV cache and there is nothing for a KV eviction "
+    r"policy to bound: its config states no attention heads \(num_attention_heads\), its layer types "
+    r"are linear_attention",
+    "rwkv": r"has no attention layers, so it keeps no KV cache",
+    "xlstm": r"has no attention layers, so it keeps no KV cache",
+    "blt": r"splits its attention layers over sub-models with their own layers and heads \(decoder_config, "
+    r"encoder_config, global_config, patcher_config\)",
+    "minimax": r"keeps the state of its linear_attention layers in a cache class of its own "
+    r"\(MiniMaxCache\), which its forward requires instead of transformers' DynamicCache",
 }
 
 
@@ -89,6 +104,45 @@ def test_attention_the_harness_does_not_serve_is_refused_with_its_reason(model_t
     with pytest.raises(UnsupportedModelError, match=REFUSED[model_type]):
         engine = StreamingEngine(model, make_policy({"name": "full"}, budget=None, chunk=64))
         engine.self_check(stream_tokens(model))
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED_UP_FRONT))
+def test_what_the_config_refuses_is_refused_before_streaming(model_type):
+    model = tiny_model(model_type)
+    with pytest.raises(UnsupportedModelError, match=REFUSED_UP_FRONT[model_type]):
+        StreamingEngine(model, make_policy({"name": "full"}, budget=None, chunk=64))
+    if model_type != "minimax":  # from the config alone, before the weights load (rmm.runner.build)
+        with pytest.raises(UnsupportedModelError, match=REFUSED_UP_FRONT[model_type]):
+            check_attention_heads(tiny_config(model_type).get_text_config(), f"X ({model_type})")
+
+
+def test_a_model_whose_queries_depend_on_absolute_positions_runs_at_original_positions_only():
+    """Beam's NoPE full-attention layers scale their queries by the absolute position (scalable softmax):
+    exact at original positions; under positions=cache, which renumbers positions, refused with that
+    reason for a position rule and a score-based policy alike (the reference, which renumbers them
+    physically, differs from the model at original distances)."""
+    model = tiny_model("beam")
+    tokens = stream_tokens(model)
+    reason = r"layer 1 changes its queries with their absolute position beyond RoPE"
+    for policy in ("window", "h2o"):
+        engine = StreamingEngine(model, make_policy({"name": policy}, budget=BUDGET, chunk=CHUNK))
+        engine.self_check(tokens)
+        cached = StreamingEngine(
+            model, make_policy({"name": policy}, budget=BUDGET, chunk=CHUNK), positions="cache"
+        )
+        with pytest.raises(UnsupportedModelError, match=reason):
+            cached.self_check(tokens)
+
+
+def test_image_blocks_of_a_text_stream_are_no_mask_the_stream_evaluates():
+    """Gemma 4 unified ORs its causal masks with its image blocks (use_bidirectional_attention="vision"),
+    a per-pass tensor that a token stream leaves empty: the stream builds its masks without it and equals
+    the model's own forward; the config is restored afterwards."""
+    model = tiny_model("gemma4_unified")
+    tokens = stream_tokens(model)
+    got = engine_nll(model, tokens, _Case("full", "full", None, 16, "original", "own"))
+    assert float((got - own_nll(model, tokens)).abs().max()) <= TOLERANCE
+    assert model.config.get_text_config().use_bidirectional_attention == "vision"
 
 
 def test_tiny_configs_are_small_and_keep_the_layer_kinds():
