@@ -242,9 +242,7 @@ def describe_model(model: PreTrainedModel) -> dict[str, Any]:
         n_heads = config.num_attention_heads
         per_layer = layer_shapes(config)
         if per_layer is not None:
-            n_kv = max(shape[0] for shape in per_layer)
-            head_dim = max(shape[1] for shape in per_layer)
-            value_dim = max(shape[2] for shape in per_layer)
+            n_kv, head_dim, value_dim = (max(shape[i] for shape in per_layer) for i in range(3))
             latent_dim = None
         elif latent_attention(config):
             n_kv = n_heads
@@ -255,6 +253,7 @@ def describe_model(model: PreTrainedModel) -> dict[str, Any]:
             n_kv = getattr(config, "num_key_value_heads", None) or n_heads
             head_dim = value_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
             latent_dim = None
+        positions = getattr(config, "max_position_embeddings", None)
         return {
             "n_layers": config.num_hidden_layers,
             "n_heads": n_heads,
@@ -262,7 +261,7 @@ def describe_model(model: PreTrainedModel) -> dict[str, Any]:
             "head_dim": head_dim,
             "value_head_dim": value_dim,
             "latent_dim": latent_dim,
-            "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+            "max_position_embeddings": positions if positions and positions > 0 else None,  # XLNet: -1
             "model_type": config.model_type,
         }
     except Exception as err:  # a missing attribute, or one transformers refuses to give globally

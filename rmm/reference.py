@@ -128,16 +128,19 @@ def latent(config) -> bool:
     return bool(getattr(config, "kv_lora_rank", None)) and bool(getattr(config, "qk_nope_head_dim", None))
 
 
-def layer_frequencies(config) -> list[list[float]]:
+def layer_frequencies(config, rotary_dim: bool = True) -> list[list[float]]:
     """Each layer's inverse frequencies: :func:`rope_frequencies` of its layer type where the config
     keeps rope parameters per layer type (Gemma 3), else the same for every layer."""
     layer_types = getattr(config, "layer_types", None) or []
     params = getattr(config, "rope_parameters", None) or {}
     if layer_types and all(kind in params for kind in layer_types):
         if getattr(config, "is_heterogeneous", False):  # each layer's own head dimension
-            return [rope_frequencies(config.per_layer_config[i], kind) for i, kind in enumerate(layer_types)]
-        return [rope_frequencies(config, kind) for kind in layer_types]
-    return [rope_frequencies(config)] * config.num_hidden_layers
+            configs = [config.per_layer_config[i] for i in range(len(layer_types))]
+            return [
+                rope_frequencies(c, kind, rotary_dim) for c, kind in zip(configs, layer_types, strict=True)
+            ]
+        return [rope_frequencies(config, kind, rotary_dim) for kind in layer_types]
+    return [rope_frequencies(config, rotary_dim=rotary_dim)] * config.num_hidden_layers
 
 
 class _ModelMask:
@@ -168,9 +171,10 @@ def windowed(layer: int) -> bool:
     return _MASKS.get(layer, causal_mask_function) is not causal_mask_function
 
 
-def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
+def rope_frequencies(config, layer_type: str | None = None, rotary_dim: bool = True) -> list[float]:
     """Inverse frequencies (float64) of the rotated pairs, from the config's rope parameters (those of
-    ``layer_type`` where the config keeps them per layer type).
+    ``layer_type`` where the config keeps them per layer type); without ``rotary_dim``, the config's
+    ``rotary_dim`` is not read (a model whose rotary module ignores it: MiniMax-M3).
 
     Supports the rope types of the shipped models: ``default``, ``linear`` and ``llama3``, with partial
     rotary (``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``, GPT-J's and CodeGen's ``rotary_dim``),
@@ -192,7 +196,7 @@ def rope_frequencies(config, layer_type: str | None = None) -> list[float]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     if latent(config):  # the rotated part of a latent-attention key
         head_dim = config.qk_rope_head_dim
-    dim = getattr(config, "rotary_dim", None) or int(head_dim * partial)
+    dim = (getattr(config, "rotary_dim", None) if rotary_dim else None) or int(head_dim * partial)
     inv_freq = [1.0 / theta ** (2 * i / dim) for i in range(dim // 2)]
     if rope_type == "proportional":
         angles = int(partial * head_dim // 2)
@@ -253,7 +257,9 @@ def layer_rotations(model: PreTrainedModel) -> list[tuple[list[float], str]]:
     latent attention, of the cache's rotated key part (its second tensor).
     Raises ValueError when no pairing does: the reference has no RoPE rule for the layer."""
     config = model.config.get_text_config()
-    frequencies = layer_frequencies(config)
+    readings = [layer_frequencies(config)]  # the config read both ways where it states a rotary_dim
+    if getattr(config, "rotary_dim", None):
+        readings.append(layer_frequencies(config, rotary_dim=False))
     rotated = 1 if latent(config) else 0  # which of the cache's two tensors the model rotates
     tokens = torch.arange(1, 9)[None] % config.vocab_size
     produced = []
@@ -266,12 +272,12 @@ def layer_rotations(model: PreTrainedModel) -> list[tuple[list[float], str]]:
             pairs = [(cached.keys, cached.values) for cached in cache.layers]
             produced.append({layer: pair[rotated][0] for layer, pair in enumerate(pairs)})
     rotations = []
-    for layer, inv_freq in enumerate(frequencies):
+    for layer in range(config.num_hidden_layers):
         if layer not in produced[0]:  # a recurrent or convolutional mixer: no keys, nothing to rotate
-            rotations.append((inv_freq, "none"))
+            rotations.append((readings[0][layer], "none"))
             continue
         before, after = produced[0][layer].double(), produced[1][layer].double()
-        for pairing in PAIRINGS:
+        for inv_freq, pairing in ((r[layer], p) for r in readings for p in PAIRINGS):
             shift = [PAIRING_SHIFT] * 8
             moved = torch.stack([rope_rotate(head, shift, inv_freq, pairing) for head in before])
             if float((moved - after).norm() / after.norm()) <= PAIRING_TOLERANCE:

@@ -40,7 +40,7 @@ TYPES = causal_lm_types()
 # the architectures the harness is documented to support: the matrix must find them exact
 SUPPORTED = (
     "llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2",
-    "deepseek_v2", "deepseek_v3", "gemma4_text", "gemma4_unified", "jetmoe", "falcon",
+    "deepseek_v2", "deepseek_v3", "gemma4_text", "gemma4_unified", "jetmoe", "falcon", "minimax_m3_vl_text",
 )  # fmt: skip
 
 
@@ -54,11 +54,12 @@ def test_the_types_come_from_the_registry():
 # soft-capping, k-norm, a sin/cos table with interleaved pairing, interleaved inv_freq, NoPE layers, learned
 # absolute positions, sinks, MoE; hybrid recurrent (gated delta rule) and convolutional mixers; multi-head
 # latent attention (rotated last channels, half and interleaved pairing); per-layer head shapes and
-# proportional RoPE (Gemma 4); KV heads handed tiled (JetMoE); and the refused: no attention switch
+# proportional RoPE (Gemma 4); KV heads handed tiled (JetMoE); a config rotary_dim the model ignores
+# (MiniMax-M3); and the refused: no attention switch
 FAMILIES = (
     "llama", "gpt_neox", "gemma3_text", "gemma2", "qwen3", "gptj", "cohere", "smollm3", "gpt2", "gpt_oss",
     "mixtral", "falcon", "deepseek_v2", "deepseek_v3", "qwen3_next", "lfm2", "gemma4_text", "jetmoe",
-    "gpt_neox_japanese",
+    "minimax_m3_vl_text", "gpt_neox_japanese",
 )  # fmt: skip
 
 
@@ -81,6 +82,7 @@ REFUSED = {
     "diffllama": r"calls attention twice per layer and pass \(same queries and keys, other values\)",
     "mimo_v2_flash": r"hands attention 4 KV heads in layer 1, not the config's 2 nor copies of them",
     "gpt_neox_japanese": r"did not switch to the attention function 'rmm_bounded'",
+    "xlnet": r"did not switch to the attention function 'rmm_bounded'",  # not bounded by its -1 positions
     "git": r"computes with its attention mask as a tensor \(add\): it applies the mask itself, to "
     r"attention scores it computes outside transformers' attention interface",
 }

@@ -153,6 +153,16 @@ def test_path_overrides_hub_source(tiny_model: tuple[Path, torch.nn.Module, obje
     assert torch.equal(_logits(model, ids), _logits(reference, ids))
 
 
+def test_a_negative_position_bound_states_none() -> None:
+    """XLNet's config gives max_position_embeddings=-1 (relative positions): no bound on a stream."""
+    config = AutoConfig.for_model(
+        "llama", num_hidden_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32
+    )
+    config.max_position_embeddings = -1
+    model = AutoModelForCausalLM.from_config(config)
+    assert describe_model(model)["max_position_embeddings"] is None
+
+
 def test_local_needs_path() -> None:
     cfg = OmegaConf.load(CONF_MODEL / "local.yaml")
     with pytest.raises(ValueError, match=r"model\.path="):
