@@ -78,9 +78,9 @@ MUTANTS = [
     ),
     Mutant(
         "rank_rotation",
-        "rmm/memory.py",
-        "lag[..., None] + torch.arange(self.retained, device=self.device)",
-        "lag[..., None] + torch.arange(1, self.retained + 1, device=self.device)",
+        "rmm/chunk_rotations.py",
+        "lag[..., None] + torch.arange(retained_pos.shape[-1], device=query_pos.device)",
+        "lag[..., None] + torch.arange(1, retained_pos.shape[-1] + 1, device=query_pos.device)",
         "positions=cache, score-based: retained keys rotated to rank + 1",
     ),
     Mutant(
