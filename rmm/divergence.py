@@ -68,7 +68,7 @@ class Trace:
     margin : [n - 1] top-1 minus top-2 log-probability (NaN, or None, where not recorded: older files).
     decisions : boundary -> the decision's margins [L * H] per (layer, KV head), layer-major.
     kept : boundary -> what the decision kept per (layer, KV head), [L * H] comparable items: the retained
-        sets where the caller recorded them (:func:`rmm.matrix.set_recorder`), else their digests
+        sets where the caller recorded them (:func:`rmm.engine.retained_sets_recorder`), else their digests
         (:func:`rmm.policies.select.kept_digest`). Both empty where not recorded (older run files).
     score_digits : the digits at which the policy compared its scores (None: unrounded; :func:`tie_margin`).
     """
