@@ -158,33 +158,39 @@ def compare_sweep(
         except TokenMismatchError as error:
             raise TokenMismatchError(f"{a['run_dir']} vs {b['run_dir']}: {error}") from None
         settings = {c: b[c] for c in SETTING_COLUMNS if c in labelled.columns}
-        rows.append(
-            {
-                **settings,
-                "label": b["label"],
-                "baseline_label": a["label"],
-                "baseline": spec,
-                "a": a.get("run_name", a["run_dir"]),
-                "b": b.get("run_name", b["run_dir"]),
-                "run_a": a["run_dir"],
-                "run_b": b["run_dir"],
-                **result,
-            }
-        )
+        rows.append({**settings, **_pair_fields(a, b, spec), **result})
     result_frame = pd.DataFrame(rows)
     if result_frame.empty:
         log.warning("no run has a baseline %s", spec)
         return result_frame
+    return _sorted_like_table(result_frame)
+
+
+def _pair_fields(a: pd.Series, b: pd.Series, spec: str) -> dict[str, Any]:
+    """The labels, names and directories of baseline run ``a`` and compared run ``b`` under ``spec``."""
+    return {
+        "label": b["label"],
+        "baseline_label": a["label"],
+        "baseline": spec,
+        "a": a.get("run_name", a["run_dir"]),
+        "b": b.get("run_name", b["run_dir"]),
+        "run_a": a["run_dir"],
+        "run_b": b["run_dir"],
+    }
+
+
+def _sorted_like_table(comparisons: pd.DataFrame) -> pd.DataFrame:
+    """``comparisons`` in the main table's order: model, dataset, budget (none last), policy, label."""
     order = sorted(
-        result_frame.index,
+        comparisons.index,
         key=lambda i: (
-            *(str(result_frame.at[i, c]) for c in ("model", "dataset") if c in result_frame.columns),
-            result_frame.at[i, "budget"] if pd.notna(result_frame.at[i, "budget"]) else np.inf,
-            policy_sort_key(str(result_frame.at[i, "policy"])),
-            _natural(str(result_frame.at[i, "label"])),
+            *(str(comparisons.at[i, c]) for c in ("model", "dataset") if c in comparisons.columns),
+            comparisons.at[i, "budget"] if pd.notna(comparisons.at[i, "budget"]) else np.inf,
+            policy_sort_key(str(comparisons.at[i, "policy"])),
+            _natural(str(comparisons.at[i, "label"])),
         ),
     )
-    return result_frame.loc[order].reset_index(drop=True)
+    return comparisons.loc[order].reset_index(drop=True)
 
 
 def _natural(label: str) -> list[Any]:
@@ -265,7 +271,8 @@ def _json_ready(record: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m rmm.analysis.compare``."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -290,6 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=SEED, help=f"({SEED})")
     parser.add_argument("--json", action="store_true", help="print one JSON object per comparison")
     parser.add_argument("--table", type=Path, help="also write the markdown table to this file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = dict(

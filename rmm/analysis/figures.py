@@ -303,23 +303,11 @@ def _lag_budget(rmm: pd.DataFrame, budget: float | None) -> float | None:
     return float(configs[configs == configs.max()].index.max())
 
 
-def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = None) -> Figure | None:
-    """rmm perplexity vs lag, one line per weight (dashed: after_commit=freeze) at one budget, with h2o and
-    oracle at that budget as horizontal references."""
-    name = "ppl_vs_lag"
-    frame = select_setting(frame)
-    rmm = frame[frame["policy"] == "rmm"] if not frame.empty else frame
-    if rmm.empty:
-        _note(name, "no rmm runs")
-        return None
-    chosen = _lag_budget(rmm, budget)
-    if chosen is None:
-        _note(name, f"no rmm runs at budget {budget}")
-        return None
-    rmm = rmm[rmm["budget"] == chosen]
-    line_keys = [c for c in ("policy.weight", "policy.after_commit") if c in rmm.columns]
-    fig, (ax,) = _new_figure()
-    keys = [*line_keys, "lag"]
+def _lag_points(
+    frame: pd.DataFrame, rmm: pd.DataFrame, keys: list[str], chosen: float
+) -> tuple[pd.DataFrame, str]:
+    """Mean perplexity per (line keys, lag) of ``rmm`` at budget ``chosen`` with 95 % bounds (paired against
+    h2o's tokens when one h2o run shares the budget), sorted by lag; and the note naming the bounds."""
     points = rmm.groupby(keys, as_index=False, dropna=False)["ppl"].mean()
     h2o_runs = frame.loc[(frame["policy"] == "h2o") & (frame["budget"] == chosen)]
     if len(h2o_runs) == 1 and "run_dir" in frame.columns:  # paired against h2o: the reading that matters
@@ -333,8 +321,11 @@ def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = 
         points, note = points.merge(paired, on=keys), "bands: 95 % interval paired against h2o's tokens"
     else:
         points, note = points.merge(_intervals(rmm, keys), on=keys), "bands: 95 % interval of each run"
-    points = points.sort_values("lag")
-    show_commit = "policy.after_commit" in rmm.columns and rmm["policy.after_commit"].nunique() > 1
+    return points.sort_values("lag"), note
+
+
+def _plot_lag_lines(ax: Axes, points: pd.DataFrame, line_keys: list[str], show_commit: bool) -> None:
+    """One line with its band per (weight, after_commit) of ``points``, perplexity vs lag."""
     groups = points.groupby(line_keys, dropna=False) if line_keys else [((), points)]
     for key, line in groups:
         values = dict(zip(line_keys, key if isinstance(key, tuple) else (key,), strict=True))
@@ -351,6 +342,10 @@ def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = 
             linestyle=COMMIT_STYLES.get(str(commit), "-"),
         )
         _band(ax, line["lag"], line["ppl_ci_low"], line["ppl_ci_high"], color)
+
+
+def _lag_references(ax: Axes, frame: pd.DataFrame, chosen: float) -> None:
+    """Horizontal lines at the mean perplexity of each h2o and oracle configuration at budget ``chosen``."""
     references = with_labels(frame[frame["policy"].isin(["h2o", "oracle"]) & (frame["budget"] == chosen)])
     styles = {"h2o": ":", "oracle": "-."}
     if not references.empty:
@@ -358,6 +353,28 @@ def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = 
         for label, ppl in references.groupby("label")["ppl"].mean().items():
             policy = references.loc[references["label"] == label, "policy"].iloc[0]
             ax.axhline(ppl, color=colors[label], linestyle=styles[policy], linewidth=1.2, label=label)
+
+
+def ppl_vs_lag(frame: pd.DataFrame, out_dir: str | Path, budget: float | None = None) -> Figure | None:
+    """rmm perplexity vs lag, one line per weight (dashed: after_commit=freeze) at one budget, with h2o and
+    oracle at that budget as horizontal references."""
+    name = "ppl_vs_lag"
+    frame = select_setting(frame)
+    rmm = frame[frame["policy"] == "rmm"] if not frame.empty else frame
+    if rmm.empty:
+        _note(name, "no rmm runs")
+        return None
+    chosen = _lag_budget(rmm, budget)
+    if chosen is None:
+        _note(name, f"no rmm runs at budget {budget}")
+        return None
+    rmm = rmm[rmm["budget"] == chosen]
+    line_keys = [c for c in ("policy.weight", "policy.after_commit") if c in rmm.columns]
+    fig, (ax,) = _new_figure()
+    points, note = _lag_points(frame, rmm, [*line_keys, "lag"], chosen)
+    show_commit = "policy.after_commit" in rmm.columns and rmm["policy.after_commit"].nunique() > 1
+    _plot_lag_lines(ax, points, line_keys, show_commit)
+    _lag_references(ax, frame, chosen)
     _log2_xaxis(ax, rmm["lag"])
     ax.set_xlabel("lag H (provisional buffer, tokens)")
     ax.set_ylabel("perplexity")
@@ -387,30 +404,19 @@ def _pooled_tokens(run_dirs: list[str]) -> pd.DataFrame | None:
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
-def cumulative_ppl(
-    frame: pd.DataFrame, out_dir: str | Path, budget: float | None = None, bins: int = 64
-) -> Figure | None:
-    """Cumulative perplexity vs stream position at one budget: one line per policy (its best configuration
-    at that budget, by mean perplexity) and full, from the runs' token files."""
-    name = "cumulative_ppl"
-    frame = select_setting(frame)
-    if frame.empty or "run_dir" not in frame.columns:
-        _note(name, "no runs with a run_dir")
-        return None
-    evicting = frame[frame["policy"] != "full"]
-    chosen = _position_budget(evicting, budget) if not evicting.empty else None
-    if chosen is None:
-        _note(name, "no runs of an evicting policy" + (f" at budget {budget}" if budget is not None else ""))
-        return None
-    at_budget = with_labels(evicting[evicting["budget"] == chosen])
+def _cumulative_curves(
+    frame: pd.DataFrame, at_budget: pd.DataFrame, bins: int
+) -> dict[str, tuple[str, pd.DataFrame, pd.DataFrame]]:
+    """label -> (policy, binned cumulative perplexity, its runs) for full and each policy's best
+    configuration in ``at_budget`` (by mean perplexity); labels without readable tokens left out."""
     best = at_budget.groupby(["policy", "label"], as_index=False)["ppl"].mean()
     best = best.loc[best.groupby("policy")["ppl"].idxmin()]
-    curves: dict[str, tuple[str, pd.DataFrame, pd.DataFrame]] = {}
     full_runs = frame.loc[frame["policy"] == "full", "run_dir"].tolist()
     selections = [("full", "full", full_runs)] if full_runs else []
     for row in best.itertuples(index=False):
         runs = at_budget.loc[at_budget["label"] == row.label, "run_dir"].tolist()
         selections.append((str(row.policy), str(row.label), runs))
+    curves: dict[str, tuple[str, pd.DataFrame, pd.DataFrame]] = {}
     for policy, label, runs in selections:
         tokens = _pooled_tokens(runs)
         if tokens is not None:
@@ -419,10 +425,11 @@ def cumulative_ppl(
                 position_perplexity(tokens, bins=bins),
                 frame[frame["run_dir"].isin(runs)],
             )
-    if not curves:
-        _note(name, "no readable token files")
-        return None
-    fig, (ax,) = _new_figure()
+    return curves
+
+
+def _plot_cumulative(ax: Axes, curves: dict[str, tuple[str, pd.DataFrame, pd.DataFrame]]) -> None:
+    """One line per curve (dashed: full), in policy order, each ending in a bar of its runs' 95 % interval."""
     ordered = sorted(curves, key=lambda lab: (policy_sort_key(curves[lab][0]), lab))
     for i, label in enumerate(ordered):
         policy, curve, runs = curves[label]
@@ -438,6 +445,29 @@ def cumulative_ppl(
         if len(bounds) == 1 and bounds["ppl_ci_low"].notna().all():  # the last point is the run's ppl
             end = float(curve["position_bin_end"].iloc[-1]) * (1.0 + 0.012 * (i + 1))  # staggered
             ax.vlines(end, bounds["ppl_ci_low"].iloc[0], bounds["ppl_ci_high"].iloc[0], color=color, lw=1.5)
+
+
+def cumulative_ppl(
+    frame: pd.DataFrame, out_dir: str | Path, budget: float | None = None, bins: int = 64
+) -> Figure | None:
+    """Cumulative perplexity vs stream position at one budget: one line per policy (its best configuration
+    at that budget, by mean perplexity) and full, from the runs' token files."""
+    name = "cumulative_ppl"
+    frame = select_setting(frame)
+    if frame.empty or "run_dir" not in frame.columns:
+        _note(name, "no runs with a run_dir")
+        return None
+    evicting = frame[frame["policy"] != "full"]
+    chosen = _position_budget(evicting, budget) if not evicting.empty else None
+    if chosen is None:
+        _note(name, "no runs of an evicting policy" + (f" at budget {budget}" if budget is not None else ""))
+        return None
+    curves = _cumulative_curves(frame, with_labels(evicting[evicting["budget"] == chosen]), bins)
+    if not curves:
+        _note(name, "no readable token files")
+        return None
+    fig, (ax,) = _new_figure()
+    _plot_cumulative(ax, curves)
     ax.set_xlabel("position in stream (tokens)")
     ax.set_ylabel("cumulative perplexity")
     ax.set_yscale("log")
@@ -494,6 +524,49 @@ def throughput_memory(
     return _save(fig, out_dir, name)
 
 
+def _gaps_to_h2o(rmm: pd.DataFrame, h2o: pd.DataFrame) -> pd.DataFrame:
+    """Per (lag, budget): rmm's mean perplexity minus the best h2o configuration's at that budget, with
+    95 % bounds paired against that h2o's tokens (columns gap, gap_low, gap_high); shared budgets only."""
+    h2o_means = _by_budget(h2o, "ppl")
+    h2o_best = h2o_means.loc[h2o_means.groupby("budget")["ppl"].idxmin()].set_index("budget")
+    gaps = rmm.groupby(["lag", "budget"])["ppl"].mean().reset_index()
+    gaps["gap"] = gaps["ppl"] - gaps["budget"].map(h2o_best["ppl"])
+    gaps = gaps.dropna(subset=["gap"])
+    if gaps.empty:
+        return gaps
+    bounds = []
+    for lag, budget in zip(gaps["lag"], gaps["budget"], strict=True):
+        base = h2o.loc[(h2o["budget"] == budget) & (h2o["label"] == h2o_best.at[budget, "label"])]
+        runs = rmm.loc[(rmm["budget"] == budget) & (rmm["lag"] == lag)]
+        low, high = _paired_ppl_bounds(
+            base.get("run_dir", base.iloc[0:0]), runs.get("run_dir", runs.iloc[0:0])
+        )
+        bounds.append((low - base["ppl"].mean(), high - base["ppl"].mean()))
+    gaps[["gap_low", "gap_high"]] = bounds
+    return gaps
+
+
+def _twin_correct_frac(ax: Axes, rmm: pd.DataFrame, budgets: pd.Series) -> tuple[list[Any], list[str]]:
+    """Legend handles and labels of ``ax``, plus those of rmm's correct_frac (mean over lags, at
+    ``budgets``) drawn on a twin axis when recorded."""
+    handles, labels = ax.get_legend_handles_labels()
+    if "correct_frac" in rmm.columns and rmm["correct_frac"].notna().any():
+        twin = ax.twinx()
+        frac = rmm[rmm["budget"].isin(budgets)].groupby("budget")["correct_frac"].mean()
+        twin.plot(
+            frac.index,
+            frac.to_numpy(),
+            color="tab:gray",
+            linestyle=":",
+            marker="s",
+            label="correct_frac (rmm, mean over lags)",
+        )
+        twin.set_ylabel("correct_frac")
+        more_handles, more_labels = twin.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    return handles, labels
+
+
 def measure_vs_accumulate(
     frame: pd.DataFrame,
     out_dir: str | Path,
@@ -512,23 +585,10 @@ def measure_vs_accumulate(
     if rmm.empty or h2o.empty:
         _note(name, "needs both rmm and h2o runs")
         return None
-    h2o_means = _by_budget(h2o, "ppl")
-    h2o_best = h2o_means.loc[h2o_means.groupby("budget")["ppl"].idxmin()].set_index("budget")
-    gaps = rmm.groupby(["lag", "budget"])["ppl"].mean().reset_index()
-    gaps["gap"] = gaps["ppl"] - gaps["budget"].map(h2o_best["ppl"])
-    gaps = gaps.dropna(subset=["gap"])
+    gaps = _gaps_to_h2o(rmm, h2o)
     if gaps.empty:
         _note(name, "rmm and h2o share no budget")
         return None
-    bounds = []
-    for lag, budget in zip(gaps["lag"], gaps["budget"], strict=True):
-        base = h2o.loc[(h2o["budget"] == budget) & (h2o["label"] == h2o_best.at[budget, "label"])]
-        runs = rmm.loc[(rmm["budget"] == budget) & (rmm["lag"] == lag)]
-        low, high = _paired_ppl_bounds(
-            base.get("run_dir", base.iloc[0:0]), runs.get("run_dir", runs.iloc[0:0])
-        )
-        bounds.append((low - base["ppl"].mean(), high - base["ppl"].mean()))
-    gaps[["gap_low", "gap_high"]] = bounds
     fig, (ax,) = _new_figure()
     lags = sorted(gaps["lag"].unique())
     for lag, color in zip(lags, _shades(policy_color("rmm"), len(lags)), strict=True):
@@ -539,22 +599,7 @@ def measure_vs_accumulate(
     _log2_xaxis(ax, gaps["budget"])
     ax.set_xlabel("KV budget B (entries per head)")
     ax.set_ylabel("perplexity difference (rmm − h2o; < 0: rmm better)")
-    handles, labels = ax.get_legend_handles_labels()
-    if "correct_frac" in rmm.columns and rmm["correct_frac"].notna().any():
-        twin = ax.twinx()
-        frac = rmm[rmm["budget"].isin(gaps["budget"])].groupby("budget")["correct_frac"].mean()
-        twin.plot(
-            frac.index,
-            frac.to_numpy(),
-            color="tab:gray",
-            linestyle=":",
-            marker="s",
-            label="correct_frac (rmm, mean over lags)",
-        )
-        twin.set_ylabel("correct_frac")
-        more_handles, more_labels = twin.get_legend_handles_labels()
-        handles, labels = handles + more_handles, labels + more_labels
-    _legend(fig, ax, handles, labels)
+    _legend(fig, ax, *_twin_correct_frac(ax, rmm, gaps["budget"]))
     ax.set_title(
         f"Measure vs accumulate: rmm − best h2o — {_setting_title(frame)}"
         f"{_rmm_note(rmm, rmm_weight, rmm_after_commit)}\n"
