@@ -192,16 +192,24 @@ def bounded_attention(
     if memory is None:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' is only usable through rmm.engine.StreamingEngine")
     tiles = _check_call(module, query, key, value, memory, attention_mask, kwargs)
-    mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
-    if mask_function is causal_mask_function:
-        mask_function = None
-    plain = mask_function is None and sliding_window is None
-    visible = None if plain else Visibility(mask_function, sliding_window)
+    visible = _visibility(attention_mask, sliding_window)
     order, query, key, value, s_aux = _untiled(tiles, query, key, value, s_aux)
     out = _attend(module.layer_idx, query, key, value, memory, visible, scaling, softcap, s_aux)
     if order is not None:  # back to the model's order of query heads
         out = out[:, torch.argsort(order)]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _visibility(
+    attention_mask: ModelMask | torch.Tensor | None, sliding_window: int | None
+) -> Visibility | None:
+    """What a layer's queries may see beyond plain causality: the model's mask function (unless causal)
+    and the sliding window; None when neither applies."""
+    mask_function = attention_mask.mask_function if isinstance(attention_mask, ModelMask) else None
+    if mask_function is causal_mask_function:
+        mask_function = None
+    plain = mask_function is None and sliding_window is None
+    return None if plain else Visibility(mask_function, sliding_window)
 
 
 def _attend(
@@ -224,29 +232,73 @@ def _attend(
     q = query.reshape(rows, n_kv, group, n_q, head_dim)  # [N, H, G, Q, D]
     if kv_memory.capture is not None:
         kv_memory.capture(layer, q, key)
-    value_dim, heads, width = value.shape[-1], kv_memory.keys.shape[2], kv_memory.keys.shape[-1]
-    if (n_kv, head_dim, value_dim) != (heads, width, kv_memory.values.shape[-1]):
-        q = F.pad(q, (0, width - head_dim))
-        key = F.pad(key, (0, width - head_dim, 0, 0, 0, heads - n_kv))
-        value = F.pad(value, (0, kv_memory.values.shape[-1] - value_dim, 0, 0, 0, heads - n_kv))
+    value_dim = value.shape[-1]
+    q, key, value = _padded_to_memory(kv_memory, q, key, value)
     keys, values = kv_memory.attend_keys_values(layer, key, value)  # [N, H, S, D] each
     keys, values = keys[:, :n_kv], values[:, :n_kv]
     sink_query = kv_memory.sink_query(layer, q)  # [N, H, G, Q, D] or None (cache positions, sinks)
     if kv_memory.record_queries:
         kv_memory.store_queries(layer, q)
-
     if attention_path(kv_memory, softcap, s_aux) == "fused":
-        if sink_query is None:  # the group folded into the rows: keys and values are never repeated
-            out = F.scaled_dot_product_attention(
-                q.reshape(rows, n_kv, group * n_q, q.shape[-1]),
-                keys,
-                values,
-                attn_mask=kv_memory.folded_mask(layer, group),
-                scale=scaling,
-            )
-        else:
-            out = _attention_with_sinks(q, sink_query, keys, values, kv_memory, layer, scaling)
-        return out.reshape(rows, n_kv * group, n_q, values.shape[-1])[..., :value_dim]
+        out = _fused_attention(layer, q, sink_query, keys, values, kv_memory, scaling)
+    else:
+        out = _explicit_attention(layer, q, sink_query, keys, values, kv_memory, scaling, softcap, s_aux)
+    return out.reshape(rows, n_kv * group, n_q, values.shape[-1])[..., :value_dim]
+
+
+def _padded_to_memory(
+    kv_memory: SlotMemory, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, H, G, Q, D], key [N, H, Q, D] and value [N, H, Q, Dv] zero-padded to the memory's head
+    dimensions (and key, value to its heads); unchanged for a layer as wide as the memory."""
+    n_kv, head_dim, value_dim = key.shape[1], key.shape[-1], value.shape[-1]
+    heads, width, value_width = kv_memory.keys.shape[2], kv_memory.keys.shape[-1], kv_memory.values.shape[-1]
+    if (n_kv, head_dim, value_dim) == (heads, width, value_width):
+        return q, key, value
+    q = F.pad(q, (0, width - head_dim))
+    key = F.pad(key, (0, width - head_dim, 0, 0, 0, heads - n_kv))
+    value = F.pad(value, (0, value_width - value_dim, 0, 0, 0, heads - n_kv))
+    return q, key, value
+
+
+def _fused_attention(
+    layer: int,
+    q: torch.Tensor,
+    sink_query: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kv_memory: SlotMemory,
+    scaling: float,
+) -> torch.Tensor:
+    """The fused path: q [N, H, G, Q, D] over keys [N, H, S, D] and values [N, H, S, Dv] by
+    scaled_dot_product_attention (the group folded into the rows: keys and values are never repeated)
+    -> [N, H, G * Q, Dv]; with sink queries through :func:`_attention_with_sinks`."""
+    if sink_query is not None:
+        return _attention_with_sinks(q, sink_query, keys, values, kv_memory, layer, scaling)
+    rows, n_kv, group, n_q, width = q.shape
+    return F.scaled_dot_product_attention(
+        q.reshape(rows, n_kv, group * n_q, width),
+        keys,
+        values,
+        attn_mask=kv_memory.folded_mask(layer, group),
+        scale=scaling,
+    )
+
+
+def _explicit_attention(
+    layer: int,
+    q: torch.Tensor,
+    sink_query: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kv_memory: SlotMemory,
+    scaling: float,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> torch.Tensor:
+    """The explicit path, block of rows by block: q [N, H, G, Q, D] over keys [N, H, S, D] and values
+    [N, H, S, Dv] -> [N, H, G, Q, Dv], recording attention and tracking gradients as the memory asks."""
+    n_kv, group, n_q = q.shape[1:4]
     blocked = kv_memory.blocked_mask(layer)
     hidden = ~kv_memory.allowed_mask(layer) if blocked is None else blocked  # [N, H or 1, Q, S]
     outs = []
@@ -269,8 +321,7 @@ def _attend(
         if kv_memory.track_gradient:
             out = kv_memory.track_output(layer, probs, values, out)
         outs.append(out)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.reshape(rows, n_kv * group, n_q, values.shape[-1])[..., :value_dim]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 # the explicit path on a CPU: rows per computation such that one computation's fp32 probabilities

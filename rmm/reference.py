@@ -535,11 +535,7 @@ def _cache(
     cache over the stream) is returned instead, holding R for the pass, and layers that never attended
     (no key) hold nothing.
     """
-    _PASS.clear()
-    _PASS["queries"] = queries
-    longest = max(len(kept) for per_head in retained for kept in per_head)
-    for layer, per_head in enumerate(retained):
-        _PASS[layer] = [kept + [None] * (longest - len(kept)) + queries for kept in per_head]
+    longest = _set_pass(retained, queries)
     if carried is not None:
         carried.held.clear()
         carried.produced.clear()
@@ -549,30 +545,59 @@ def _cache(
     for layer, per_head in enumerate(retained):
         if not keys[layer][0]:  # a layer whose attention never ran (a recurrent or convolutional mixer)
             continue
-        if shared and any(kept != per_head[0] for kept in per_head):
-            raise ValueError(
-                f"layer {layer}: a latent-attention cache holds one set for all heads, but the heads' "
-                "retained sets differ (scope=head)"
-            )
-        layer_keys, layer_values = [], []
-        for h, kept in enumerate(per_head[:1] if shared else per_head):
-            pad = longest - len(kept)
-            head_keys = _stacked(keys[layer][h], kept, pad)
-            head_values = _stacked(values[layer][h], kept, pad)
-            if positions == "cache" and kept:  # key j moves to its rank
-                ranks = [longest - (len(kept) - i) for i in range(len(kept))]
-                shift = [r - made_at[j] for r, j in zip(ranks, kept, strict=True)] + [0.0] * pad
-                if shared:
-                    head_values = rope_rotate(head_values, shift, *inv_freq[layer])
-                else:
-                    head_keys = rope_rotate(head_keys, shift, *inv_freq[layer])
-            layer_keys.append(head_keys)
-            layer_values.append(head_values)
+        rotation = inv_freq[layer] if positions == "cache" else None
+        held = _layer_entries(layer, per_head, keys[layer], values[layer], made_at, rotation, longest, shared)
         if carried is None:
-            cache.update(torch.stack(layer_keys)[None], torch.stack(layer_values)[None], layer)
+            cache.update(*held, layer)
         else:
-            carried.held[layer] = torch.stack(layer_keys)[None], torch.stack(layer_values)[None]
+            carried.held[layer] = held
     return cache
+
+
+def _set_pass(retained: list, queries: list[int]) -> int:
+    """Record in :data:`_PASS` the pass's queries and, per layer and head, the position each column holds
+    (R, None for padding, then the queries); the largest |R| of any head."""
+    _PASS.clear()
+    _PASS["queries"] = queries
+    longest = max(len(kept) for per_head in retained for kept in per_head)
+    for layer, per_head in enumerate(retained):
+        _PASS[layer] = [kept + [None] * (longest - len(kept)) + queries for kept in per_head]
+    return longest
+
+
+def _layer_entries(
+    layer: int,
+    per_head: list[list[int]],
+    keys: list,
+    values: list,
+    made_at: dict,
+    rotation: tuple | None,
+    longest: int,
+    shared: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's retained keys and values, [1, H, longest, D] each (one head when ``shared``), each head
+    zero-padded to ``longest``; with a ``rotation`` (cache positions) key j moves to its rank, the rotated
+    key part of latents (their second tensor) when ``shared``."""
+    if shared and any(kept != per_head[0] for kept in per_head):
+        raise ValueError(
+            f"layer {layer}: a latent-attention cache holds one set for all heads, but the heads' "
+            "retained sets differ (scope=head)"
+        )
+    layer_keys, layer_values = [], []
+    for h, kept in enumerate(per_head[:1] if shared else per_head):
+        pad = longest - len(kept)
+        head_keys = _stacked(keys[h], kept, pad)
+        head_values = _stacked(values[h], kept, pad)
+        if rotation is not None and kept:  # key j moves to its rank
+            ranks = [longest - (len(kept) - i) for i in range(len(kept))]
+            shift = [r - made_at[j] for r, j in zip(ranks, kept, strict=True)] + [0.0] * pad
+            if shared:
+                head_values = rope_rotate(head_values, shift, *rotation)
+            else:
+                head_keys = rope_rotate(head_keys, shift, *rotation)
+        layer_keys.append(head_keys)
+        layer_values.append(head_values)
+    return torch.stack(layer_keys)[None], torch.stack(layer_values)[None]
 
 
 def _stacked(entries: dict, kept: list[int], pad: int) -> torch.Tensor:
@@ -708,7 +733,6 @@ def gradient_utility(
     shared = latent(model.config.get_text_config())
     queries = list(range(start, stop))
     cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, queries, shared=shared)
-    longest = max(len(kept) for per_head in retained for kept in per_head)
     scored = range(start, min(stop, tokens.numel() - 1))
     utilities = [[{s: {} for s in range(start, stop)} for _ in range(n_kv)] for _ in range(n_layers)]
     if not scored:
@@ -728,15 +752,29 @@ def gradient_utility(
     for layer in range(n_layers):
         order = _PASS.get(("order", layer), slice(None))  # the query heads by KV head
         a, da = out.attentions[layer][0, order].detach().double(), grads[layer][0, order].double()
-        utility = -a * (da - (a * da).sum(-1, keepdim=True))
-        group = a.shape[0] // n_kv
-        for h in range(n_kv):
-            summed = utility[h * group : (h + 1) * group].sum(0)  # [Q, m + Q]
-            padding = [math.inf] * (longest - len(retained[layer][h]))  # a shorter head's padded slots
-            columns = retained[layer][h] + padding + list(range(start, stop))
-            for i, s in enumerate(range(start, stop)):
-                utilities[layer][h][s] = {j: float(summed[i, c]) for c, j in enumerate(columns) if j <= s}
+        _store_utilities(utilities[layer], a, da, retained[layer], m, queries)
     return utilities
+
+
+def _store_utilities(
+    per_head: list[dict],
+    a: torch.Tensor,
+    da: torch.Tensor,
+    kept: list[list[int]],
+    longest: int,
+    queries: list[int],
+) -> None:
+    """One layer's u_s(j) = -dl/dz_{s,j} into ``per_head`` ([H] {query s: {key j: u_s(j)}}), from its
+    attention probabilities ``a`` and dl/da ``da`` ([n_heads, Q, longest + Q], query heads by KV head,
+    float64), summed over each KV head's group; ``kept``: each head's retained positions."""
+    utility = -a * (da - (a * da).sum(-1, keepdim=True))
+    group = a.shape[0] // len(per_head)
+    for h, utilities in enumerate(per_head):
+        summed = utility[h * group : (h + 1) * group].sum(0)  # [Q, longest + Q]
+        padding = [math.inf] * (longest - len(kept[h]))  # a shorter head's padded slots
+        columns = kept[h] + padding + queries
+        for i, s in enumerate(queries):
+            utilities[s] = {j: float(summed[i, c]) for c, j in enumerate(columns) if j <= s}
 
 
 # ---- decisions at a boundary ----------------------------------------------------------------------
