@@ -27,10 +27,10 @@ def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        check_run(cfg)  # bad input fails here, before transformers is imported or a model loaded
+        checked = check_run(cfg)  # bad input fails here, before transformers is imported or a model loaded
         from rmm.runner import run
 
-        metrics = run(cfg, run_dir, checked=True)
+        metrics = run(cfg, run_dir, checked)
     except provenance.DirtyTreeError as error:
         log.error("%s", error)
         raise SystemExit(f"refused: {error}") from None  # not one error.txt per job: the whole sweep stops

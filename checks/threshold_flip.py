@@ -23,9 +23,7 @@ from omegaconf import OmegaConf
 
 from checks.verify_results import recompose
 from rmm.divergence import NLL_BOUND
-from rmm.engine import StreamingEngine
 from rmm.future import FutureRequests
-from rmm.options import StreamOptions
 from rmm.runner import build
 from rmm.storage import read_config, read_tokens
 
@@ -78,13 +76,12 @@ def main() -> None:
     parser.add_argument("where", type=int, nargs=4, metavar="LAYER HEAD QUERY KEY")
     args = parser.parse_args()
     cfg = OmegaConf.create(recompose(read_config(args.run_dir)))
+    cfg.batch = 1  # the document streamed alone
     setup = build(cfg)
     doc = next(d for d in setup.docs if d.doc_id == args.doc)
     stored = read_tokens(args.run_dir)
     committed = stored[stored.doc_id == args.doc].sort_values("position")["nll"].to_numpy(np.float64)[1:]
-    engine = StreamingEngine(
-        setup.model, setup.policy, dataclasses.replace(StreamOptions.from_config(cfg), batch=1)
-    )
+    engine = setup.engine
     seen: list[float] = []
     kept = []
     for flip in (False, True):

@@ -19,12 +19,17 @@ import netrc
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from rmm.options import StreamOptions
+
+if TYPE_CHECKING:  # imported by check_run only: this module stays free of torch
+    from rmm.data import DatasetConfig
+    from rmm.policies import Policy
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -113,19 +118,28 @@ def _wandb_key() -> bool:
         return False
 
 
-def check_run(cfg: Mapping[str, Any]) -> None:
+@dataclass(frozen=True)
+class CheckedRun:
+    """What :func:`check_run` resolved, for the run to build with: the dataset's options and the policy."""
+
+    dataset: DatasetConfig
+    policy: Policy
+
+
+def check_run(cfg: Mapping[str, Any]) -> CheckedRun:
     """:func:`check_config`, then the policy's parameters and the dataset's options (imports torch and the
-    policy and dataset code, not transformers, and loads no model)."""
+    policy and dataset code, not transformers, and loads no model); returns what it resolved."""
     check_config(cfg)
     from rmm.data import check_dataset
     from rmm.policies import make_policy
     from rmm.policies.select import check_allocation, check_positions
 
-    check_dataset(cfg["dataset"])
+    dataset = check_dataset(cfg["dataset"])
     policy = make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])
     allocation = cfg.get("allocation", "uniform")
     check_allocation(allocation, cfg["scope"], cfg["positions"], policy)
     check_positions(policy, cfg["positions"])
+    return CheckedRun(dataset, policy)
 
 
 register_resolvers()

@@ -12,17 +12,15 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
-from transformers import PreTrainedModel
 
 from rmm import api, provenance, sharing
-from rmm.config import check_run
-from rmm.data import DatasetStats, Document, check_dataset, load_documents
+from rmm.config import CheckedRun, check_run
+from rmm.data import DatasetStats, Document, load_documents
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
 from rmm.models import (
     check_attention_heads,
-    describe_model,
     load_model,
     peek_config,
     resolve_device,
@@ -30,7 +28,7 @@ from rmm.models import (
 )
 from rmm.options import StreamOptions
 from rmm.planning import check_latent, check_layer_shapes
-from rmm.policies import Policy, ScorePolicy, make_policy
+from rmm.policies import Policy, ScorePolicy
 from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
 
@@ -42,15 +40,16 @@ class RunSetup:
     """Everything a run streams with, built once from the config."""
 
     policy: Policy
-    model: PreTrainedModel
+    engine: StreamingEngine  # over the loaded model, with the run's options
     docs: list[Document]
     data_stats: DatasetStats
     reference: ReferenceRunner | None  # the reference pass, when the policy or a diagnostic needs it
 
 
-def run(cfg: DictConfig, run_dir: str | Path, checked: bool = False) -> dict[str, Any]:
+def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None) -> dict[str, Any]:
     """Execute the run described by ``cfg`` and write it to ``run_dir``; returns its metrics. Bad input
-    fails before the model loads (:func:`rmm.config.check_run`, unless the caller ran it: ``checked``).
+    fails before the model loads (:func:`rmm.config.check_run`, unless the caller ran it and hands over
+    what it resolved: ``checked``).
 
     With ``reuse`` (the default), a budget-free policy's run takes the results of a complete run beside
     ``run_dir`` that differs only in the budget (:func:`rmm.sharing.find_reusable_run`), and reference
@@ -61,8 +60,8 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: bool = False) -> dict[str
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.resume and run_is_complete(run_dir):
         return _resume(run_dir, config)
-    if not checked:
-        check_run(cfg)  # as run.py does: a call from Python fails as early
+    if checked is None:
+        checked = check_run(cfg)  # as run.py does: a call from Python fails as early
     if OmegaConf.select(cfg, "provenance.require_clean", default=False):
         code.require_clean()  # a registered study's run: refused from a dirty tree, before the model loads
     device = resolve_device(cfg.device)
@@ -70,7 +69,7 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: bool = False) -> dict[str
     reusing = cfg.get("reuse", True) and sharing.known_code(environment)
     identity = sharing.reference_identity(config, device, resolve_dtype(cfg.dtype, device), environment)
     cache = sharing.ReferenceCache(run_dir.parent / sharing.CACHE_DIR, identity) if reusing else None
-    setup = build(cfg, cache)
+    setup = build(cfg, cache, checked)
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
         reused = _reused(cfg, run_dir, config, environment, setup) if reusing else None
         if reused is not None:
@@ -87,9 +86,8 @@ def _stream(
 ) -> tuple[dict[str, Any], pd.DataFrame]:
     """Stream the documents of ``setup``: the run's metrics and per-token frame."""
     progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
-    engine = StreamingEngine(setup.model, setup.policy, StreamOptions.from_config(cfg))
     stream_metrics, tokens = api.run_engine(
-        engine,
+        setup.engine,
         setup.docs,
         setup.reference,
         estimator=_estimating(cfg, setup.policy),
@@ -119,11 +117,10 @@ def _reused(
     documents, token for token. None when there is none."""
     if cfg.budget is None or setup.policy.budget is not None:
         return None  # the policy keeps the configured budget: its results depend on it
-    parameter = next(setup.model.parameters())
     expected = {
         **environment,
-        "device": str(parameter.device),
-        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "device": str(setup.engine.facts.device),
+        "dtype": str(setup.engine.facts.dtype).removeprefix("torch."),
     }
     source = sharing.find_reusable_run(run_dir, config, expected)
     if source is None:
@@ -150,11 +147,14 @@ def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
     return read_metrics(run_dir)
 
 
-def build(cfg: DictConfig, reference_cache: sharing.ReferenceCache | None = None) -> RunSetup:
-    """Policy, model, documents and (when needed) the reference pass (its passes read from and written to
-    ``reference_cache`` when given)."""
-    dataset = check_dataset(cfg.dataset)  # resolved once: loading reads this, not the node
-    policy = make_policy(cfg.policy, budget=cfg.budget, chunk=cfg.chunk)
+def build(
+    cfg: DictConfig, reference_cache: sharing.ReferenceCache | None = None, checked: CheckedRun | None = None
+) -> RunSetup:
+    """Policy, engine over the loaded model, documents and (when needed) the reference pass (its passes
+    read from and written to ``reference_cache`` when given); ``checked``: what :func:`check_run` resolved
+    (run here when not given)."""
+    checked = checked or check_run(cfg)
+    dataset, policy = checked.dataset, checked.policy  # resolved once: loading reads this, not the node
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
@@ -165,19 +165,19 @@ def build(cfg: DictConfig, reference_cache: sharing.ReferenceCache | None = None
         check_latent(config, name, policy, cfg.scope)
         check_layer_shapes(config, name, policy, cfg.allocation)
     model, tokenizer = load_model(cfg.model, device, dtype)
-    dims = describe_model(model)
     docs, data_stats = load_documents(dataset, tokenizer)
     if not docs:
         raise ValueError(
             f"dataset {cfg.dataset.name!r} gave no document with at least "
             f"{dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short)"
         )
+    engine = StreamingEngine(model, policy, StreamOptions.from_config(cfg))
     longest = max(d.tokens.numel() for d in docs)
     reference = None
     if policy.needs_reference or _estimating(cfg, policy):
-        context = configured_reference_context(cfg, dims["max_position_embeddings"], longest)
+        context = configured_reference_context(cfg, engine.facts.dims["max_position_embeddings"], longest)
         reference = ReferenceRunner(model, cfg.oracle.tau, context, reference_cache)
-    return RunSetup(policy, model, docs, data_stats, reference)
+    return RunSetup(policy, engine, docs, data_stats, reference)
 
 
 def _parameters(config: dict, group: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from checks import plan as planner
 from rmm import integration, runner
 from rmm.data import DatasetStats, Document
 from rmm.engine import StreamingEngine
-from rmm.models import config_from_architecture
+from rmm.models import config_from_architecture, describe_model
 from rmm.policies import make_policy
 
 N_TOKENS = 48
@@ -316,6 +316,8 @@ def test_planner_and_runner_agree_on_the_reference_context(saved, model, monkeyp
     monkeypatch.setattr(planner, "parameter_count", lambda arch: 0)  # no weights are built or loaded
     loaded = SimpleNamespace(config=config_from_architecture(arch))
     monkeypatch.setattr(runner, "load_model", lambda *args: (loaded, None))
+    facts = SimpleNamespace(dims=describe_model(loaded))  # what the runner reads of the engine's facts
+    monkeypatch.setattr(runner, "StreamingEngine", lambda *args: SimpleNamespace(facts=facts))
     outcomes = set()
     for n_tokens in (limit, limit + 1):
         stream = Document("doc", torch.zeros(n_tokens, dtype=torch.long), {})
