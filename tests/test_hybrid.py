@@ -36,9 +36,26 @@ def lfm2(seed: int = 0) -> PreTrainedModel:
     return Lfm2ForCausalLM(config).eval().requires_grad_(False)
 
 
+class _Models(dict):
+    """Tiny hybrid models, built on first use: LFM2 with its real layer pattern, the others the registry's."""
+
+    def __missing__(self, arch: str) -> PreTrainedModel:
+        self[arch] = lfm2() if arch == "lfm2" else registry_model(arch)
+        return self[arch]
+
+
 @pytest.fixture(scope="module")
 def models() -> dict[str, PreTrainedModel]:
-    return {"lfm2": lfm2(), "qwen3_next": registry_model("qwen3_next")}
+    return _Models()
+
+
+# two families in the fast suite; three more (Mamba-2 mixers: Bamba, Falcon-H1; the gated delta rule in
+# Qwen3.5's layer pattern) in the slow one: at least four hybrid families exact, rmm included
+ARCHS = [
+    "lfm2",
+    "qwen3_next",
+    *(pytest.param(arch, marks=pytest.mark.slow) for arch in ("bamba", "falcon_h1", "qwen3_5_text")),
+]
 
 
 def streamed(model, tokens, name, budget, chunk, positions="original", **params):
@@ -49,7 +66,7 @@ def streamed(model, tokens, name, budget, chunk, positions="original", **params)
     return engine.stream(tokens, on_boundary=hook).nll, sets
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_an_unlimited_budget_is_the_models_own_forward(models, arch):
     model = models[arch]
     tokens = sampled_stream(model, N)
@@ -65,7 +82,7 @@ def test_an_unlimited_budget_is_the_models_own_forward(models, arch):
 @pytest.mark.parametrize(
     ("name", "params"), [("window", {}), ("h2o", {}), ("rmm", {"lag": 3}), ("tova", {}), ("knorm", {})]
 )
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bounded_policies_match_the_reference(models, arch, name, params, positions):
     model = models[arch]
     tokens = sampled_stream(model, 24)
@@ -102,7 +119,7 @@ def test_a_state_that_restarts_is_refused(models, monkeypatch):
         engine.self_check(tokens)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_each_document_keeps_its_own_state(models, arch):
     """Three documents at batch 2: the third takes the first's row (emptied), and the second's row is
     renumbered when the third finishes first (rows dropped); each equals itself streamed alone."""
