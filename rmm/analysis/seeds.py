@@ -15,6 +15,13 @@ from rmm.analysis.bootstrap import CONFIDENCE, SEED, paired_tokens, replicate_me
 from rmm.storage import read_tokens
 
 SEED_COLUMN = "dataset.seed"
+# a reuse cell's factors as a registered design names them -> their run config keys
+FACTOR_KEYS = {
+    "echo_gap": "dataset.echo_gap",
+    "recall_gap": "dataset.recall_gap",
+    "budget": "budget",
+    "decoys": "dataset.n_decoys",
+}
 BASELINES_2026 = ("restkv", "expected_attention")  # at their config defaults
 
 

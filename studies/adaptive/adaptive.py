@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from rmm.analysis.bootstrap import N_RESAMPLES, paired_tokens
 from rmm.analysis.collect import collect
 from rmm.analysis.seeds import (
+    FACTOR_KEYS,
     SEED_COLUMN,
     arm,
     holm,
@@ -41,12 +42,6 @@ from rmm.analysis.seeds import (
 from rmm.storage import atomic_write_text, read_tokens
 
 DESIGN = Path(__file__).with_name("adaptive_predictions.yaml")
-FACTOR_KEYS = {
-    "echo_gap": "dataset.echo_gap",
-    "recall_gap": "dataset.recall_gap",
-    "budget": "budget",
-    "decoys": "dataset.n_decoys",
-}
 AUTO, FIXED, H2O, SMOOTHER = "auto", "fixed", "h2o", "smoother"
 
 

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from rmm.analysis.bootstrap import N_RESAMPLES
 from rmm.analysis.collect import collect
 from rmm.analysis.seeds import (
+    FACTOR_KEYS,
     SEED_COLUMN,
     arm,
     holm,
@@ -43,12 +44,6 @@ PREDICTIONS = Path(__file__).with_name("confirm_predictions.yaml")
 SEEDS = list(range(11, 19))  # the registered generator seeds
 ALPHA, TIE_BOUNDS = 0.05, (0.8, 1.25)
 NATURAL_LAGS = (32, 64, 128)  # the natural-text study's lag choice (confirm_cpu_natural_lags)
-FACTOR_KEYS = {
-    "echo_gap": "dataset.echo_gap",
-    "recall_gap": "dataset.recall_gap",
-    "budget": "budget",
-    "decoys": "dataset.n_decoys",
-}
 
 # What the table's runs went through that the figures do not show (docs/confirmation.md, Progress)
 NOTES = [
