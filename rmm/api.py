@@ -257,7 +257,7 @@ def stream_metrics(
         **segment_metrics(tokens),
         "peak_memory_bytes": memory.bytes(),
         **kv_cache_bytes(
-            layer_entries(budget, engine.facts.windows, engine.plan.recording.exempt, engine.facts.attending),
+            layer_entries(budget, engine.facts.windows, engine.plan.recording.exempt, engine.facts.holds),
             engine.facts.windows,
             dims["n_kv_heads"],
             dims["head_dim"],

@@ -145,10 +145,11 @@ class StreamingEngine:
             self.facts.dtype,
             self.facts.device,
             rows,
-            self.facts.attending,
+            self.facts.holds,
             carried,
             self.facts.dims["value_head_dim"],
             self.facts.layer_shapes,
+            self.facts.sources,
         )
 
     def stream(

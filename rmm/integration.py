@@ -554,6 +554,31 @@ def attention_layers(model: PreTrainedModel) -> list[int]:
     return [i for i, kind in enumerate(layer_types) if kind in ATTENTION_LAYER_TYPES]
 
 
+def module_shapes(model: PreTrainedModel, stated: tuple[int, int, int]) -> list[tuple[int, int, int]] | None:
+    """Per layer, (KV heads, key and value head dimensions) as the attention modules' own projections
+    hold them, where some layer differs from the config's ``stated`` shape (MiMo-V2-Flash's sliding layers
+    have twice the config's KV heads and values of their own head dimension); None where they all agree
+    or a module does not say (no ``k_proj``/``v_proj`` linear and integer ``head_dim``). Layers that do
+    not attend keep ``stated``. The bounded attention checks each call against these shapes."""
+    config = model.config.get_text_config()
+    shapes = [stated] * config.num_hidden_layers
+    found = set()
+    for module in model.modules():
+        layer, head_dim = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
+        k_proj, v_proj = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        linear = isinstance(k_proj, torch.nn.Linear) and isinstance(v_proj, torch.nn.Linear)
+        if not (linear and isinstance(layer, int) and isinstance(head_dim, int)) or layer in found:
+            continue
+        n_kv = k_proj.out_features // head_dim
+        if n_kv < 1 or n_kv * head_dim != k_proj.out_features or v_proj.out_features % n_kv:
+            return None
+        shapes[layer] = (n_kv, head_dim, v_proj.out_features // n_kv)
+        found.add(layer)
+    if not set(attention_layers(model)) <= found or all(shape == stated for shape in shapes):
+        return None
+    return shapes
+
+
 def layer_windows(model: PreTrainedModel) -> list[int | None]:
     """Per layer, the most past entries it can attend (W - 1 for a sliding window W, chunk - 1 for
     attention chunks), None for a global layer. Read from the config: ``layer_types`` with
@@ -820,8 +845,8 @@ def _kv_tiles(
 ) -> int:
     """How many times ``key`` [N, r * n_kv, Q, D] and ``value`` repeat ``layer``'s ``n_kv`` KV heads, one
     copy after the other (JetMoE repeats them once per expert a token selects: query head i attends KV
-    head i mod n_kv), 1 for plain heads. Other heads (MiMo-V2-Flash's sliding layers have twice the
-    config's KV heads) are refused."""
+    head i mod n_kv), 1 for plain heads. Other heads (a layer's own count that neither the config nor
+    the attention module's projections state: :func:`module_shapes`) are refused."""
     handed = key.shape[1]
     tiles = handed // n_kv
     tiled = handed % n_kv == 0 and query.shape[1] % handed == 0 and value.shape[1] == handed
@@ -829,9 +854,10 @@ def _kv_tiles(
         tiled = all(torch.equal(x, x[:, :n_kv].repeat(1, tiles, 1, 1)) for x in (key, value))
     if not tiled:
         raise UnsupportedModelError(
-            f"{name} hands attention {handed} KV heads in layer {layer}, not the config's {n_kv} nor copies "
-            f"of them ({query.shape[1]} query heads): a head count per layer that the config does not state "
-            "(per_layer_config), which the slot memory's shapes come from; this model is not supported"
+            f"{name} hands attention {handed} KV heads in layer {layer}, not the layer's {n_kv} nor copies "
+            f"of them ({query.shape[1]} query heads): a head count per layer that neither the config "
+            "(per_layer_config) nor the attention module's key projection states, which the slot memory's "
+            "shapes come from; this model is not supported"
         )
     return tiles
 

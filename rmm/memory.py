@@ -105,6 +105,9 @@ class SlotMemory:
         differ (Gemma 4); ``shape`` and ``value_dim`` are then the widest, and a layer's keys, values and
         queries are held zero-padded to them (a zero channel adds nothing to a logit or an output), its
         heads past its own hold no entry. None: every layer has ``shape``'s.
+    sources : per layer, the layer whose keys and values it attends (default: itself). Under KV sharing a
+        reading layer holds nothing (``attending`` says so): it attends the storing layer's slots under
+        that layer's masks, and its attention adds to that layer's, so an entry is stored and evicted once.
     """
 
     def __init__(
@@ -121,8 +124,10 @@ class SlotMemory:
         carried: RowState | None = None,
         value_dim: int | None = None,
         layer_shapes: Sequence[tuple[int, int, int]] | None = None,
+        sources: Sequence[int] | None = None,
     ):
         n_layers, n_heads, head_dim = shape
+        self.sources = list(range(n_layers)) if sources is None else list(sources)
         self.plan, self.retained, self.chunk, self.rows = plan, retained, chunk, rows
         self.rotary, self.device = rotary, device
         self.carried = carried
@@ -146,6 +151,10 @@ class SlotMemory:
         first = next((layer for layer in ruled if attending[layer]), 0)
         self.masks = ChunkMasks(plan, [h for h, _, _ in self.layer_shapes], first, dtype)
         self.rotations = ChunkRotations(plan, rotary)
+        # KV sharing: per storing layer that others read, the keys and values it attended in this pass
+        self._attended: dict[int, tuple[torch.Tensor, torch.Tensor]] = dict.fromkeys(
+            {source for layer, source in enumerate(self.sources) if source != layer}
+        )
         self.calls = [0] * n_layers  # attention calls per layer since the memory was made
         self.passes = 0  # forward passes (chunks) begun
         # called by the attention function with (layer, query [N, H, G, Q, D], key [N, H, Q, D]) as the
@@ -295,7 +304,15 @@ class SlotMemory:
     # ---- attention function (per layer, all rows) ------------------------------------------------
     def attend_keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Store the chunk's keys [N, H, Q, D] and values [N, H, Q, Dv]; return the keys and values to attend
-        [N, H, R + Q, D or Dv]."""
+        [N, H, R + Q, D or Dv] (a reading layer's: those its storing layer returned in this pass)."""
+        if self.sources[layer] != layer:
+            return self._attended[self.sources[layer]]
+        attended = self._store_keys_values(layer, key, value)
+        if layer in self._attended:
+            self._attended[layer] = attended
+        return attended
+
+    def _store_keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         end = self.retained + key.shape[2]
         graph_key, graph_value = key, value
         key, value = key.detach(), value.detach()  # slots never hold a graph
@@ -319,27 +336,28 @@ class SlotMemory:
         """Called by the attention function once per layer and pass: counts the call and applies the
         layer's own window ``visible`` (None: plain causal) to its masks for this chunk."""
         self.calls[layer] += 1
-        self.masks.enter_layer(layer, visible, self.key_pos)
+        if self.sources[layer] == layer:  # a reading layer has its storing layer's window and masks
+            self.masks.enter_layer(layer, visible, self.key_pos)
 
     def allowed_mask(self, layer: int) -> torch.Tensor:
         """bool [N, H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
-        return self.masks.for_layer(layer, 0)
+        return self.masks.for_layer(self.sources[layer], 0)
 
     def blocked_mask(self, layer: int) -> torch.Tensor | None:
         """The complement of :meth:`allowed_mask` (computed once per chunk where the eager path or the
         sinks need it; None otherwise)."""
-        return self.masks.for_layer(layer, 1)
+        return self.masks.for_layer(self.sources[layer], 1)
 
     def other_slots_bias(self, layer: int) -> torch.Tensor:
         """Additive mask [N, H or 1, Q, R + Q] in the model's dtype: 0 where a query may attend a non-sink
         slot, -inf on the sink slots and wherever :meth:`allowed_mask` blocks (set with the sink table)."""
         assert self.masks.other_bias is not None
-        return self.masks.for_layer(layer, 2)
+        return self.masks.for_layer(self.sources[layer], 2)
 
     def folded_mask(self, layer: int, group: int, bias: bool = False) -> torch.Tensor:
         """The layer's mask with the query group folded into the rows, for one fused call over queries
         [N, H, G * Q, D]: bool [N, H or 1, G * Q, S] (``bias``: :meth:`other_slots_bias` instead)."""
-        return self.masks.folded_for(layer, group, bias)
+        return self.masks.folded_for(self.sources[layer], group, bias)
 
     def sink_query(self, layer: int, query: torch.Tensor) -> torch.Tensor | None:
         """Queries [N, H, G, Q, D] re-rotated to their cache rank, for the sink slots; None if not needed
@@ -350,9 +368,14 @@ class SlotMemory:
 
     def store_attention(self, layer: int, probs: torch.Tensor, rows: slice = slice(None)) -> None:
         """Attention probabilities [n, H_l, Q, R + Q] of the chunk's queries of ``rows`` over the layer's own
-        H_l KV heads, GQA group summed."""
+        H_l KV heads, GQA group summed; a reading layer's add to its storing layer's (which ran before it
+        in the pass)."""
         n_heads, n_q, n_slots = probs.shape[1:]
-        self.attn[layer, rows, :n_heads, :n_q, :n_slots] = probs.detach()
+        source = self.sources[layer]
+        if source == layer:
+            self.attn[layer, rows, :n_heads, :n_q, :n_slots] = probs.detach()
+        else:
+            self.attn[source, rows, :n_heads, :n_q, :n_slots] += probs.detach()
 
     def track_output(
         self, layer: int, probs: torch.Tensor, values: torch.Tensor, output: torch.Tensor

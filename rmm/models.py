@@ -178,12 +178,28 @@ def layer_shapes(config: PretrainedConfig) -> list[tuple[int, int, int]] | None:
     return shapes
 
 
-def kv_shared_layers(config: PretrainedConfig) -> list[int]:
-    """The layers that attend over another layer's keys and values instead of their own (KV sharing:
-    ``kv_sharing_modes`` "reuse", Gemma 3n and Gemma 4's last ``num_kv_shared_layers``); [] for none."""
-    if not getattr(config, "num_kv_shared_layers", 0):
-        return []
-    return [i for i, mode in enumerate(getattr(config, "kv_sharing_modes", None) or []) if mode == "reuse"]
+def kv_sources(config: PretrainedConfig) -> list[int]:
+    """Per layer, the layer whose keys and values it attends: itself, or under KV sharing (Gemma 3n and
+    Gemma 4's last ``num_kv_shared_layers``, ``kv_sharing_modes`` "reuse") the earlier layer of its type
+    that stores them ("store"). Raises :class:`UnsupportedModelError` for a reading layer with no such
+    layer (every layer shared: the keys and values come from another model)."""
+    n_layers = config.num_hidden_layers
+    modes = (
+        getattr(config, "kv_sharing_modes", None) if getattr(config, "num_kv_shared_layers", 0) else None
+    ) or []
+    stores = {config.layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    sources = list(range(n_layers))
+    for layer, mode in enumerate(modes):
+        if mode != "reuse":
+            continue
+        source = stores.get(config.layer_types[layer])
+        if source is None or source >= layer:
+            raise UnsupportedModelError(
+                f"layer {layer} ({config.model_type}) attends keys and values that no earlier layer of its "
+                "type stores (KV sharing across models: an assistant reads its target's); not supported"
+            )
+        sources[layer] = source
+    return sources
 
 
 def check_attention_heads(config: PretrainedConfig, name: str) -> None:

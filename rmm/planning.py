@@ -14,7 +14,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from rmm import integration
 from rmm.errors import UnsupportedModelError
-from rmm.models import describe_model, kv_shared_layers, latent_attention, layer_shapes
+from rmm.models import describe_model, kv_sources, latent_attention, layer_shapes
 from rmm.options import StreamOptions
 from rmm.policies import Policy, PositionRule, ScorePolicy
 from rmm.policies.select import adaptive_floor, capacities, check_allocation, check_positions, retained_slots
@@ -28,7 +28,9 @@ class ModelFacts:
 
     name : how errors name it; config : its text config; dims : :func:`rmm.models.describe_model`;
     windows : per layer, the past entries its own window shows (None: all); attending : per layer,
-    whether it attends; carried : layers with recurrent or convolutional state; layer_shapes : per layer
+    whether it attends; carried : layers with recurrent or convolutional state; sources : per layer, the
+    layer whose keys and values it attends (itself, or under KV sharing the one that stores them);
+    layer_shapes : per layer
     (KV heads, key and value head dimensions) where layers differ (None: one shape); rotary : its
     rotations (calibrated in place by the self-check); max_positions : the positions a stream may reach
     (a rotary table's rows, or learned absolute positions; None: unbounded); device, dtype : its
@@ -42,11 +44,18 @@ class ModelFacts:
     windows: list[int | None]
     attending: list[bool]
     carried: list[int]
+    sources: list[int]
     layer_shapes: list[tuple[int, int, int]] | None
     rotary: Rotary
     max_positions: int | None
     device: torch.device
     dtype: torch.dtype
+
+    @property
+    def holds(self) -> list[bool]:
+        """Per layer, whether it holds entries: it attends, over its own keys and values (not another
+        layer's, KV sharing)."""
+        return [a and s == i for i, (a, s) in enumerate(zip(self.attending, self.sources, strict=True))]
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -60,6 +69,13 @@ def model_facts(model: PreTrainedModel) -> ModelFacts:
     dims = describe_model(model)  # one number of layers, heads and head dimension, or refused
     integration.check_model(model)
     config = model.config.get_text_config()
+    shapes = layer_shapes(config)
+    if shapes is None and not latent_attention(config):  # shapes the config does not state (MiMo-V2-Flash)
+        stated = (dims["n_kv_heads"], dims["head_dim"], dims["value_head_dim"])
+        shapes = integration.module_shapes(model, stated)
+        if shapes is not None:
+            widest = (max(shape[i] for shape in shapes) for i in range(3))
+            dims = dims | dict(zip(("n_kv_heads", "head_dim", "value_head_dim"), widest, strict=True))
     attends = set(integration.attention_layers(model))
     device = next(model.parameters()).device
     rotary = Rotary(model).to(device)
@@ -71,7 +87,8 @@ def model_facts(model: PreTrainedModel) -> ModelFacts:
         windows=integration.layer_windows(model),
         attending=[layer in attends for layer in range(config.num_hidden_layers)],
         carried=integration.carried_layers(model),
-        layer_shapes=layer_shapes(config),
+        sources=kv_sources(config),
+        layer_shapes=shapes,
         rotary=rotary,
         max_positions=rotary.max_positions if rotary.candidates else dims["max_position_embeddings"],
         device=device,
@@ -123,7 +140,8 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
         recording = recording.exempting(facts.windows)
     check_carried(facts.name, facts.carried, recording, scope)
     check_latent(facts.config, facts.name, policy, scope)
-    check_layer_shapes(facts.config, facts.name, policy, allocation)
+    check_layer_shapes(facts.name, policy, allocation, facts.layer_shapes)
+    check_shared(facts.name, facts.sources, policy, scope, allocation)
     if not facts.rotary.candidates and recording.moves_positions:
         raise UnsupportedModelError(
             f"{facts.name} has no rotary position embedding (no `inv_freq` buffer, nor a sin/cos table in a "
@@ -259,27 +277,18 @@ def check_latent(config: PretrainedConfig, name: str, policy: Policy, scope: str
 PADDED_ENTRIES = frozenset({"keys", "values", "queries", "output_projection", "gradient"})
 
 
-def check_layer_shapes(config: PretrainedConfig, name: str, policy: Policy, allocation: str) -> None:
-    """Refuse what a score-based policy cannot honour on a model ``name`` (text config ``config``) whose
-    layers differ in shape or share keys and values. KV sharing (:func:`~rmm.models.kv_shared_layers`):
-    the model stores a shared layer's keys once, but the slot memory holds a copy per layer that reads
-    them, which a score-based policy would evict on its own (position rules keep the same positions in
-    every copy). Per-layer shapes (:func:`~rmm.models.layer_shapes`): the memory holds every layer at
-    the widest layer's KV heads and head dimension, zero-padded, so policies that read keys, values,
-    queries, W_o or gradients (no reference rule checks them there) are refused, and so is
-    ``allocation=adaptive`` where the layers' KV heads differ (its room per layer counts every head).
-    Needs the config only: the runner calls it before the weights load."""
+def check_layer_shapes(
+    name: str, policy: Policy, allocation: str, shapes: list[tuple[int, int, int]] | None
+) -> None:
+    """Refuse what a score-based policy cannot honour on a model ``name`` whose layers differ in shape
+    (``shapes``: per layer (KV heads, key and value head dimensions), :func:`~rmm.models.layer_shapes`
+    where the config states them, which the runner checks before the weights load; the model's facts,
+    which may read them from its modules). The memory holds every layer at the widest layer's KV heads
+    and head dimension, zero-padded, so policies that read keys, values, queries, W_o or gradients (no
+    reference rule checks them there) are refused, and so is ``allocation=adaptive`` where the layers'
+    KV heads differ (its room per layer counts every head)."""
     if not isinstance(policy, ScorePolicy):
         return
-    shared = kv_shared_layers(config)
-    if shared:
-        raise UnsupportedModelError(
-            f"{name} shares keys and values across layers (layers {shared[0]}-{shared[-1]} reuse an earlier "
-            "layer's, KV sharing): the model stores them once, but the slot memory holds a copy per reading "
-            f"layer, which policy {policy.name} would evict on its own; use a position rule (full, window, "
-            "streaming_llm), which keeps the same positions in every copy"
-        )
-    shapes = layer_shapes(config)
     if shapes is None:
         return
     reads = sorted(PADDED_ENTRIES & set(policy.needs))
@@ -293,6 +302,35 @@ def check_layer_shapes(config: PretrainedConfig, name: str, policy: Policy, allo
         raise UnsupportedModelError(
             f"{name} has layers with different numbers of KV heads, but allocation=adaptive gives each layer "
             "room for every head the memory holds; use allocation=uniform or pyramid"
+        )
+
+
+# what a layer that reads another layer's keys and values (KV sharing) cannot give a policy of that layer
+SHARED_UNREAD = frozenset({"queries", "output_projection", "gradient"})
+
+
+def check_shared(name: str, sources: list[int], policy: Policy, scope: str, allocation: str) -> None:
+    """Refuse what a score-based policy cannot honour under KV sharing (``sources``: per layer, the layer
+    whose keys and values it attends, :func:`~rmm.models.kv_sources`). The memory stores a shared entry
+    once, in the layer that stores it, and evicts it once, by that layer's statistics, into which every
+    layer that reads it adds its attention; a reading layer holds nothing. So one set across all layers
+    (``scope=global``) and a non-uniform allocation (which give reading layers room) are refused, and so
+    are policies that read queries, W_o or gradients (a reading layer's own, for another layer's entries)."""
+    readers = [layer for layer, source in enumerate(sources) if source != layer]
+    if not readers or not isinstance(policy, ScorePolicy):
+        return
+    where = f"{name} shares keys and values across layers (layers {readers[0]}-{readers[-1]} read others')"
+    if scope == "global" or allocation != "uniform":
+        raise UnsupportedModelError(
+            f"{where}, which hold no entries of their own, so scope={scope} with allocation={allocation} "
+            "would count them; use scope=head or scope=layer with allocation=uniform"
+        )
+    reads = sorted(SHARED_UNREAD & set(policy.needs))
+    if reads:
+        raise UnsupportedModelError(
+            f"{where}; policy {policy.name} reads {', '.join(reads)}, which a reading layer has for another "
+            "layer's entries (no reference rule reads them there); use a policy that reads attention, keys, "
+            "values or positions"
         )
 
 

@@ -113,13 +113,39 @@ def model_shape(model: PreTrainedModel) -> tuple[int, int, int]:
 
 
 def layer_heads(model: PreTrainedModel) -> list[int]:
-    """Each layer's KV heads: the config's one number, or each layer's own where the config keeps them
-    per layer (``per_layer_config``: Gemma 4)."""
+    """Each layer's KV heads: the config's one number, each layer's own where the config keeps them per
+    layer (``per_layer_config``: Gemma 4), or where an attention module's key projection holds another
+    number of ``head_dim``-wide heads (MiMo-V2-Flash's sliding layers: twice the config's)."""
     config = model.config.get_text_config()
     if getattr(config, "is_heterogeneous", False):
         layers = config.per_layer_config
         return [getattr(c, "num_key_value_heads", None) or c.num_attention_heads for c in layers]
-    return [model_shape(model)[1]] * config.num_hidden_layers
+    heads = [model_shape(model)[1]] * config.num_hidden_layers
+    for module in [] if latent(config) else model.modules():
+        layer, width = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
+        projection = getattr(module, "k_proj", None)
+        if isinstance(projection, torch.nn.Linear) and isinstance(layer, int) and isinstance(width, int):
+            if projection.out_features % width == 0:
+                heads[layer] = projection.out_features // width
+    return heads
+
+
+def layer_sources(model: PreTrainedModel) -> list[int]:
+    """Per layer, the layer whose cache it attends: itself, or under KV sharing (``kv_sharing_modes``
+    "reuse", the last ``num_kv_shared_layers``) the earlier layer of its own type marked "store", whose
+    keys the model hands it."""
+    config = model.config.get_text_config()
+    n_layers = config.num_hidden_layers
+    modes = getattr(config, "kv_sharing_modes", None) if getattr(config, "num_kv_shared_layers", 0) else None
+    if not modes:
+        return list(range(n_layers))
+    kinds = config.layer_types
+    return [
+        layer
+        if mode != "reuse"
+        else next(i for i in range(layer) if modes[i] == "store" and kinds[i] == kinds[layer])
+        for layer, mode in enumerate(modes)
+    ]
 
 
 def latent(config) -> bool:
@@ -197,7 +223,7 @@ def rope_frequencies(config, layer_type: str | None = None, rotary_dim: bool = T
     if latent(config):  # the rotated part of a latent-attention key
         head_dim = config.qk_rope_head_dim
     dim = (getattr(config, "rotary_dim", None) if rotary_dim else None) or int(head_dim * partial)
-    inv_freq = [1.0 / theta ** (2 * i / dim) for i in range(dim // 2)]
+    inv_freq = [1.0 / theta ** (i / dim) for i in range(0, dim, 2)]  # an odd dim rotates ceil(dim / 2) pairs
     if rope_type == "proportional":
         angles = int(partial * head_dim // 2)
         rotated = [1.0 / theta ** (2 * i / head_dim) / params.get("factor", 1.0) for i in range(angles)]
@@ -383,6 +409,7 @@ def _reference_stream(
     n = tokens.numel()
     heads = layer_heads(model)  # each layer's KV heads
     n_layers = len(heads)
+    sources = layer_sources(model)  # KV sharing: the layer whose cache each layer attends
     shared = latent(model.config.get_text_config())  # one cache entry per token and layer, for every head
     if shared and (rule.reads_keys or rule.reads_values):
         raise ValueError(
@@ -430,7 +457,9 @@ def _reference_stream(
         spec.retained_log.append([[list(r) for r in layer] for layer in retained])
         m = max(len(kept) for per_head in retained for kept in per_head)
         query_pos = t if spec.positions == "original" else m
-        cache = _cache(retained, keys, values, made_at, spec.positions, inv_freq, [t], carried, shared)
+        cache = _cache(
+            retained, keys, values, made_at, spec.positions, inv_freq, [t], carried, shared, sources
+        )
         out = model(
             tokens[None, t : t + 1],
             position_ids=torch.tensor([[query_pos]]),
@@ -443,12 +472,14 @@ def _reference_stream(
             produced = {layer: (c.keys, c.values) for layer, c in enumerate(out.past_key_values.layers)}
         else:
             produced = carried.produced
-        attending = sorted(produced)  # the layers whose attention ran (every layer but a mixer's)
+        holding = [layer for layer in sorted(produced) if sources[layer] == layer]
+        # the layers whose attention ran: every layer but a mixer's, those reading another's cache too
+        attending = sorted(holding + [layer for layer, source in enumerate(sources) if source != layer])
         if len(out.attentions) != len(attending):
             raise ValueError(
                 f"{len(out.attentions)} attention maps for the {len(attending)} layers that attended"
             )
-        for layer in attending:
+        for layer in holding:
             for h in range(heads[layer]):
                 entry = 0 if shared else h  # a latent is every head's
                 keys[layer][h][t] = produced[layer][0][0, entry, -1].clone()
@@ -461,18 +492,23 @@ def _reference_stream(
         else:  # the document's last query has no target
             weight = {"correct": 0.0, "prob": 0.0}
         record["weights"].append(weight | {"uniform": 1.0})
-        step_attention = per_head()  # a mixer sees nothing
+        # a mixer sees nothing; a layer reading another's cache adds its attention to that layer's
+        step_attention = per_head()
         for layer, maps in zip(attending, out.attentions, strict=True):
             probs = maps[0, _PASS["order", layer], 0].double()  # [n_heads, m + 1], by KV head
             group = probs.shape[0] // heads[layer]
-            rows = []
+            held = retained[sources[layer]]
             for h in range(heads[layer]):
                 summed = probs[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
-                summed = summed[: len(retained[layer][h])] + summed[-1:]  # without a ragged head's padding
-                seen = dict(zip(retained[layer][h] + [t], summed, strict=True))
+                summed = summed[: len(held[h])] + summed[-1:]  # without a ragged head's padding
+                seen = dict(zip(held[h] + [t], summed, strict=True))
                 shown = sees(layer, t, list(seen))  # the layer's own window
-                seen = {j: a for (j, a), visible in zip(seen.items(), shown, strict=True) if visible}
-                rows.append(seen)
+                row = step_attention[sources[layer]][h]
+                for (j, a), visible in zip(seen.items(), shown, strict=True):
+                    if visible:
+                        row[j] = row.get(j, 0.0) + a
+        for layer in holding:
+            for h, seen in enumerate(step_attention[layer]):
                 count, last_use = record["count"][layer][h], record["last_use"][layer][h]
                 attention_sum = record["attention_sum"][layer][h]
                 for j, a in seen.items():
@@ -480,11 +516,10 @@ def _reference_stream(
                     if a >= spec.tau or j == t:
                         last_use[j] = t
                     attention_sum[j] = attention_sum.get(j, 0.0) + a
-            step_attention[layer] = rows
         record["rows"].append(step_attention)
         if record_attention:
             spec.attention_log.append(step_attention)
-        for layer in attending:
+        for layer in holding:
             for h in range(heads[layer]):
                 retained[layer][h].append(t)
         now = t + 1
@@ -521,6 +556,7 @@ def _cache(
     queries: list[int],
     carried: _Carried | None = None,
     shared: bool = False,
+    sources: list[int] | None = None,
 ):
     """A ``DynamicCache`` holding exactly R (per layer and KV head), None when R is empty, for a pass of
     the queries ``queries`` (original positions). With cache positions every key moves from the position
@@ -535,7 +571,7 @@ def _cache(
     cache over the stream) is returned instead, holding R for the pass, and layers that never attended
     (no key) hold nothing.
     """
-    longest = _set_pass(retained, queries)
+    longest = _set_pass(retained, queries, sources)
     if carried is not None:
         carried.held.clear()
         carried.produced.clear()
@@ -554,14 +590,17 @@ def _cache(
     return cache
 
 
-def _set_pass(retained: list, queries: list[int]) -> int:
+def _set_pass(retained: list, queries: list[int], sources: list[int] | None = None) -> int:
     """Record in :data:`_PASS` the pass's queries and, per layer and head, the position each column holds
-    (R, None for padding, then the queries); the largest |R| of any head."""
+    (R, None for padding, then the queries; a layer reading another's cache, ``sources``, that layer's);
+    the largest |R| of any head."""
     _PASS.clear()
     _PASS["queries"] = queries
     longest = max(len(kept) for per_head in retained for kept in per_head)
     for layer, per_head in enumerate(retained):
         _PASS[layer] = [kept + [None] * (longest - len(kept)) + queries for kept in per_head]
+    for layer, source in enumerate(sources or []):
+        _PASS[layer] = _PASS[source]
     return longest
 
 

@@ -21,13 +21,15 @@ from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
 from rmm.models import (
     check_attention_heads,
+    kv_sources,
+    layer_shapes,
     load_model,
     peek_config,
     resolve_device,
     resolve_dtype,
 )
 from rmm.options import StreamOptions
-from rmm.planning import check_latent, check_layer_shapes
+from rmm.planning import check_latent, check_layer_shapes, check_shared
 from rmm.policies import Policy, ScorePolicy
 from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
@@ -163,7 +165,8 @@ def build(
         name = f"{cfg.model.name} ({config.model_type})"
         check_attention_heads(config, name)
         check_latent(config, name, policy, cfg.scope)
-        check_layer_shapes(config, name, policy, cfg.allocation)
+        check_layer_shapes(name, policy, cfg.allocation, layer_shapes(config))
+        check_shared(name, kv_sources(config), policy, cfg.scope, cfg.allocation)
     model, tokenizer = load_model(cfg.model, device, dtype)
     docs, data_stats = load_documents(dataset, tokenizer)
     if not docs:

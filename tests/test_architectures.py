@@ -29,6 +29,7 @@ from checks.architectures import (
     tiny_config,
     tiny_model,
 )
+from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.models import check_attention_heads
@@ -41,6 +42,7 @@ TYPES = causal_lm_types()
 SUPPORTED = (
     "llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2",
     "deepseek_v2", "deepseek_v3", "gemma4_text", "gemma4_unified", "jetmoe", "falcon", "minimax_m3_vl_text",
+    "mimo_v2_flash",
 )  # fmt: skip
 
 
@@ -55,11 +57,12 @@ def test_the_types_come_from_the_registry():
 # absolute positions, sinks, MoE; hybrid recurrent (gated delta rule) and convolutional mixers; multi-head
 # latent attention (rotated last channels, half and interleaved pairing); per-layer head shapes and
 # proportional RoPE (Gemma 4); KV heads handed tiled (JetMoE); a config rotary_dim the model ignores
-# (MiniMax-M3); and the refused: no attention switch
+# (MiniMax-M3); per-layer KV heads only the attention modules state, values of their own head dimension
+# (MiMo-V2-Flash); and the refused: no attention switch
 FAMILIES = (
     "llama", "gpt_neox", "gemma3_text", "gemma2", "qwen3", "gptj", "cohere", "smollm3", "gpt2", "gpt_oss",
     "mixtral", "falcon", "deepseek_v2", "deepseek_v3", "qwen3_next", "lfm2", "gemma4_text", "jetmoe",
-    "minimax_m3_vl_text", "gpt_neox_japanese",
+    "minimax_m3_vl_text", "mimo_v2_flash", "gpt_neox_japanese",
 )  # fmt: skip
 
 
@@ -80,7 +83,6 @@ REFUSED = {
     "doge": r"adds a learned bias per key \(from its values\) to each attention logit and, past 2048 keys, "
     r"attends only the 2048 of largest bias",
     "diffllama": r"calls attention twice per layer and pass \(same queries and keys, other values\)",
-    "mimo_v2_flash": r"hands attention 4 KV heads in layer 1, not the config's 2 nor copies of them",
     "gpt_neox_japanese": r"did not switch to the attention function 'rmm_bounded'",
     "xlnet": r"did not switch to the attention function 'rmm_bounded'",  # not bounded by its -1 positions
     "git": r"computes with its attention mask as a tensor \(add\): it applies the mask itself, to "
@@ -104,6 +106,18 @@ REFUSED_UP_FRONT = {
 def test_attention_the_harness_does_not_serve_is_refused_with_its_reason(model_type):
     model = tiny_model(model_type)
     with pytest.raises(UnsupportedModelError, match=REFUSED[model_type]):
+        engine = StreamingEngine(model, make_policy({"name": "full"}, budget=None, chunk=64))
+        engine.self_check(stream_tokens(model))
+
+
+def test_per_layer_heads_nothing_states_are_refused(monkeypatch):
+    """MiMo-V2-Flash's sliding layers hold twice the config's KV heads; the memory reads that from the
+    attention modules' key projections. Where nothing states a layer's own count, the first call with other
+    heads is refused with the reason, before any token is scored."""
+    model = tiny_model("mimo_v2_flash")
+    monkeypatch.setattr(integration, "module_shapes", lambda model, stated: None)
+    reason = r"hands attention 4 KV heads in layer 1, not the layer's 2 nor copies of them"
+    with pytest.raises(UnsupportedModelError, match=reason):
         engine = StreamingEngine(model, make_policy({"name": "full"}, budget=None, chunk=64))
         engine.self_check(stream_tokens(model))
 

@@ -1,7 +1,7 @@
 """Per-layer shapes (issue 37, item 3): Gemma 4's full-attention layers have wider heads and, with
 ``attention_k_eq_v``, fewer KV heads than its sliding layers; the memory holds each layer at its own
-shape (zero-padded to the widest), the reference at its own. KV sharing across layers is refused for
-score-based policies."""
+shape (zero-padded to the widest), the reference at its own. KV sharing across layers: an entry is stored
+and evicted once, by the layer that stores it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import rmm
 from checks.architectures import TOLERANCE
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
+from rmm.models import kv_sources
+from rmm.planning import check_shared
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -95,16 +97,59 @@ def test_what_padding_cannot_honour_is_refused(policy: str, allocation: str, say
         StreamingEngine(_model(), make_policy({"name": policy}, budget=12, chunk=4), allocation=allocation)
 
 
-def test_kv_sharing_refuses_score_policies_and_runs_position_rules():
-    model = _model(
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        num_kv_shared_layers=2,
+def _shared() -> torch.nn.Module:
+    """KV sharing: layers 2 (sliding) and 3 (full) attend the keys and values layers 0 and 1 store."""
+    return _model(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
     )
-    with pytest.raises(UnsupportedModelError, match="KV sharing"):
-        StreamingEngine(model, make_policy({"name": "h2o"}, budget=12, chunk=4))
-    tokens = _tokens()
+
+
+def test_kv_sharing_stores_and_evicts_each_entry_once():
+    """A shared entry lives in the layer that stores it (a reading layer holds none), the readers' attention
+    adds to that layer's statistics, and one decision evicts it: full equals the model's own forward, and
+    h2o and rmm equal the reference (which attends the storing layer's physical cache from the readers, as
+    the model does), in both position modes; the KV bytes count the storing layers only."""
+    model, tokens = _shared(), _tokens()
+    assert kv_sources(model.config) == [0, 1, 0, 1]
     with torch.no_grad():
         logits = model(input_ids=tokens[None], use_cache=False).logits[0]
     own = -torch.log_softmax(logits[:-1].float(), -1).gather(-1, tokens[1:, None])[:, 0]
-    assert float((_nll(model, tokens, policy="window", budget=96, chunk=16) - own).abs().max()) <= TOLERANCE
+    assert float((_nll(model, tokens, policy="full", budget=None, chunk=16) - own).abs().max()) <= TOLERANCE
+    for policy, params in (("h2o", {}), ("rmm", {"lag": 8})):
+        for positions in ("original", "cache"):
+            got = _nll(model, tokens, policy=policy, budget=12, chunk=4, positions=positions, **params)
+            spec = ReferenceSpec(policy, budget=12, chunk=4, positions=positions, **params)
+            expected = reference_stream(model, tokens, spec)[0]
+            assert float((got - expected).abs().max()) <= TOLERANCE, (policy, positions)
+    engine = StreamingEngine(model, make_policy({"name": "h2o"}, budget=12, chunk=4))
+    memory = engine.new_memory(32, engine.plan.recording)
+    memory.begin_chunk([0], [4])
+    assert (memory.key_pos[2:] == -1).all() and (memory.key_pos[:2, :, :, memory.retained :] >= 0).any()
+    run = rmm.evaluate(model, token_ids=[tokens[:32]], policy="h2o", budget=8, chunk=4)
+    assert run.metrics["kv_cache_bytes"] == 8 * (2 * 32 + 64) * 4  # layers 0 and 1 only
+
+
+def test_kv_sharing_in_a_batch_equals_each_document_alone():
+    model, tokens = _shared(), _tokens()
+    docs = [tokens, tokens[7:50]]
+    batched = rmm.evaluate(model, token_ids=docs, policy="h2o", budget=12, chunk=4, batch=2)
+    for i, doc in enumerate(docs):
+        alone = _nll(model, doc, policy="h2o", budget=12, chunk=4)
+        rows = batched.tokens[batched.tokens["doc_id"] == batched.tokens["doc_id"].unique()[i]]
+        got = torch.tensor(rows["nll"].iloc[1:].to_numpy(dtype="float32"))
+        assert float((got - alone).abs().max()) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("policy", "scope", "allocation", "says"),
+    [
+        ("h2o", "global", "uniform", "scope=global"),
+        ("h2o", "head", "pyramid", "allocation=pyramid"),
+        ("expected_attention", "head", "uniform", "reads queries"),
+    ],
+)
+def test_what_kv_sharing_cannot_honour_is_refused(policy: str, scope: str, allocation: str, says: str):
+    with pytest.raises(UnsupportedModelError, match=says):
+        check_shared("X", [0, 1, 0, 1], make_policy({"name": policy}, budget=12, chunk=4), scope, allocation)
+    check_shared("X", [0, 1, 0, 1], make_policy({"name": "window"}, budget=12, chunk=4), scope, allocation)
+    check_shared("X", [0, 1, 2, 3], make_policy({"name": policy}, budget=12, chunk=4), scope, allocation)
