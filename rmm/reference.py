@@ -352,8 +352,9 @@ def reference_pass(model: PreTrainedModel, tokens: torch.Tensor, context: int | 
         out = model(tokens[None], output_attentions=True, use_cache=False)
         model.set_attn_implementation(previous)
         attention = torch.zeros(n_layers, n_kv, n, n, dtype=torch.float64)  # a layer's own heads first
+        sources = layer_sources(model)  # a layer reading another's cache: its attention is that layer's
         for layer, a in enumerate(out.attentions):
-            attention[layer, : heads[layer]] = a[0].double().view(heads[layer], -1, n, n).sum(1)
+            attention[sources[layer], : heads[layer]] += a[0].double().view(heads[layer], -1, n, n).sum(1)
         log_probs = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
         nll = -log_probs.gather(-1, tokens[1:, None])[:, 0]
         correct = log_probs.argmax(dim=-1) == tokens[1:]

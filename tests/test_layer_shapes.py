@@ -129,6 +129,30 @@ def test_kv_sharing_stores_and_evicts_each_entry_once():
     assert run.metrics["kv_cache_bytes"] == 8 * (2 * 32 + 64) * 4  # layers 0 and 1 only
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("policy", "params", "options"),
+    [
+        ("streaming_llm", {}, {"positions": "cache"}),
+        ("tova", {}, {"scope": "layer"}),
+        ("lru", {}, {}),
+        ("observed_attention", {}, {}),
+        ("h2o", {}, {"layers": "global"}),
+        ("oracle", {}, {}),
+        ("oracle", {"variant": "future_utility"}, {}),
+    ],
+)
+def test_kv_sharing_against_the_reference(policy: str, params: dict, options: dict):
+    """More rules under KV sharing: sinks under cache positions, a window left alone, and the look-ahead
+    (whose future attention of an entry is every reading layer's too)."""
+    model, tokens = _shared(), _tokens()
+    got = _nll(model, tokens, policy=policy, budget=12, chunk=4, **params, **options)
+    expected = reference_stream(
+        model, tokens, ReferenceSpec(policy, budget=12, chunk=4, **params, **options)
+    )[0]
+    assert float((got - expected).abs().max()) <= TOLERANCE
+
+
 def test_kv_sharing_in_a_batch_equals_each_document_alone():
     model, tokens = _shared(), _tokens()
     docs = [tokens, tokens[7:50]]
