@@ -843,6 +843,8 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, record: dict) -> None
     for members in groups:
         candidates = retained[members[0][0]][members[0][1]]
         assert all(retained[layer][h] == candidates for layer, h in members), "a shared set diverged"
+        if not candidates:  # a layer holding no entries (a mixer's, or one reading another's cache)
+            continue
         room = per_layer[members[0][0]]  # the layer's capacity; the policy's own rules read B'
         tables = [rule.score(spec, record, layer, h, candidates, now, capacity) for layer, h in members]
         score = {j: rule.reduce(spec, [table[j] for table in tables]) for j in candidates}

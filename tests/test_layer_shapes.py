@@ -153,6 +153,23 @@ def test_kv_sharing_against_the_reference(policy: str, params: dict, options: di
     assert float((got - expected).abs().max()) <= TOLERANCE
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["knorm", "keydiff"])
+def test_kv_sharing_with_policies_that_read_keys(policy: str):
+    """Where every layer has one shape, policies that read the stored keys run under KV sharing too."""
+    uniform = {"global_head_dim": 16, "attention_k_eq_v": False, "num_global_key_value_heads": 2}
+    model = _model(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        **uniform,
+    )
+    tokens = _tokens()
+    got = _nll(model, tokens, policy=policy, budget=12, chunk=4)
+    expected = reference_stream(model, tokens, ReferenceSpec(policy, budget=12, chunk=4))[0]
+    assert float((got - expected).abs().max()) <= TOLERANCE
+
+
 def test_kv_sharing_in_a_batch_equals_each_document_alone():
     model, tokens = _shared(), _tokens()
     docs = [tokens, tokens[7:50]]
