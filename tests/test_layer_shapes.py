@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, Gemma4TextConfig
 
 import rmm
 from checks.architectures import TOLERANCE
+from rmm import runner
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
+from rmm.files import config_dir
 from rmm.models import kv_sources
 from rmm.planning import check_shared
 from rmm.policies import make_policy
@@ -194,3 +197,15 @@ def test_what_kv_sharing_cannot_honour_is_refused(policy: str, scope: str, alloc
         check_shared("X", [0, 1, 0, 1], make_policy({"name": policy}, budget=12, chunk=4), scope, allocation)
     check_shared("X", [0, 1, 0, 1], make_policy({"name": "window"}, budget=12, chunk=4), scope, allocation)
     check_shared("X", [0, 1, 2, 3], make_policy({"name": policy}, budget=12, chunk=4), scope, allocation)
+
+
+def test_kv_sharing_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
+    """``run.py`` reads a local model's config.json first: scope=global with a score-based policy on a
+    model with KV sharing is refused without the weights."""
+    _shared().config.save_pretrained(tmp_path)  # config.json only
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    overrides = ["model=local", f"model.path={tmp_path}", "policy=h2o", "scope=global", "device=cpu"]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "wandb.mode=disabled"])
+    with pytest.raises(UnsupportedModelError, match=r"\(gemma4_text\) shares keys and values across layers"):
+        runner.build(cfg)
