@@ -167,7 +167,7 @@ def memory_check(lengths: list[int], budget: int, chunk: int) -> None:
 
 def chunk_sweep(model, tokens: torch.Tensor, chunks: list[int], budget: int) -> None:
     """tokens/s against C for the engine (every policy at decision chunk C) and for plain forward passes
-    over C-token windows, side by side; position rules stream in max(C, 1024)-token passes whatever C."""
+    over C-token windows, side by side; position rules stream in max(C, min(B, 1024))-token passes whatever C."""
     n = tokens.numel()
     policies = [
         ("window", {}, "original"),
@@ -420,7 +420,7 @@ def main() -> None:
         engines[key] = engine = StreamingEngine(model, policy, positions=positions, batch=batch)
         engine.stream(tokens[: 2 * args.chunk + 1])  # warm-up
     # window again, streamed in passes of C tokens like the score-based policies (position rules normally
-    # take max(C, 1024)-token passes): the ratio to it isolates a policy's own cost from the pass size
+    # take max(C, min(B, 1024))-token passes): the ratio to it isolates a policy's own cost from the pass size
     engines[WINDOW_AT_C] = engines["window/original"]
     # the equal-work yardstick at every batch measured, over the same documents taken as the engine takes them
     groups = {

@@ -10,8 +10,8 @@ its load. Rows: the model's own forward (SDPA) of the same [N, C] tokens per pas
 to the last B - C + 1 entries after every pass (:func:`checks.yardsticks.equal_work`, the bench's
 equal-work yardstick: every query attends at most B keys besides its own, as in the engine), then
 :class:`~rmm.engine.StreamingEngine` under each policy, N equal-length random-token streams side by
-side. Position rules (window) stream in C-token passes here too (they normally take max(C, 1024)-token
-passes, ``rmm.recording.POSITION_RULE_CHUNK``), so every row's pass holds the same tokens. The explicit
+side. Position rules (window) stream in C-token passes here too (they normally take max(C, min(B, 1024))-token
+passes, ``rmm.recording.RecordingPlan.chunk``), so every row's pass holds the same tokens. The explicit
 attention path takes every row at once, as on a device (on a CPU it works in cache-sized row blocks).
 
 **Per pass.** Each row is counted on streams of B + 4C and B + 8C tokens (after an uncounted warm-up);

@@ -289,9 +289,8 @@ class StreamingEngine:
                     < torch.tensor(scored, device=self.facts.device)[:, None]
                 )
                 record_gradients(memory, (token_nll * counted).sum() if max(scored) > 0 else None)
-        top = log_probs.detach().topk(2, dim=-1)  # the argmax, and how far it is ahead of the runner-up
-        correct = top.indices[..., 0] == targets_t
-        outcome = (token_nll.detach(), correct, top.values[..., 0] - top.values[..., 1])
+        best, argmax, runner_up = top_two(log_probs.detach())  # how far the argmax is ahead of the runner-up
+        outcome = (token_nll.detach(), argmax == targets_t, best - runner_up)
         memory.count_attended()
         self._decide(memory, rows, outcome, scored)
         if self.facts.device.type == "cuda":
@@ -446,6 +445,35 @@ def _copy_all(pairs: Iterable[tuple[Iterable[torch.Tensor], Iterable[torch.Tenso
                 out.append(source)
     for into, out in groups.values():
         torch._foreach_copy_(into, out)
+
+
+# top_two on a CPU: the width of the blocks whose maxima are taken in one vectorised pass
+TOP_TWO_BLOCK = 1024
+
+
+def top_two(x: torch.Tensor, block: int = TOP_TWO_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The largest entry of ``x`` [..., V] along its last dim, its index and the runner-up value, each
+    [...] (``x.topk(2)``; which index an exact tie for the largest reports is unspecified, as in topk).
+
+    On a CPU, where ``topk`` is not vectorised, from the maxima of blocks of ``block`` entries (one pass
+    over ``x``), then ``topk`` over the ``block`` entries that hold the largest: the runner-up is the
+    larger of the second entry there and the best other block."""
+    n_blocks = x.shape[-1] // block
+    if x.device.type != "cpu" or n_blocks < 2:
+        top = x.topk(2, dim=-1)
+        return top.values[..., 0], top.indices[..., 0], top.values[..., 1]
+    width = n_blocks * block
+    maxima = x[..., :width].unflatten(-1, (n_blocks, block)).amax(dim=-1)  # [..., n_blocks]
+    if width < x.shape[-1]:  # the last entries, a shorter block
+        maxima = torch.cat([maxima, x[..., width:].amax(dim=-1, keepdim=True)], dim=-1)
+    best_blocks = maxima.topk(2, dim=-1)
+    # the block of entries holding the largest (the last block ends at V: it may overlap the one before,
+    # whose entries are all at most the best other block's maximum)
+    start = (best_blocks.indices[..., :1] * block).clamp_max(x.shape[-1] - block)  # [..., 1]
+    inner = x.gather(-1, start + torch.arange(block, device=x.device))  # [..., block]
+    top = inner.topk(2, dim=-1)
+    runner_up = torch.maximum(top.values[..., 1], best_blocks.values[..., 1])
+    return top.values[..., 0], start[..., 0] + top.indices[..., 0], runner_up
 
 
 @dataclass

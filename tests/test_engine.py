@@ -8,8 +8,9 @@ from conftest import STREAM_LENGTH, record_max
 from omegaconf import OmegaConf
 
 from checks.matrix import distinct_stream
-from rmm.engine import StreamingEngine
+from rmm.engine import StreamingEngine, top_two
 from rmm.lookahead import RequestRecorder, record_future
+from rmm.memory import slot_rows
 from rmm.options import POSITIONS
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
@@ -224,3 +225,28 @@ def test_attention_free_policies_keep_the_fused_path(tiny_models):
             torch.arange(10), on_boundary=lambda m, *_, seen=memories: seen.append(m)
         )
         assert (memories[0].memory.attn is not None) == (name == "h2o"), name
+
+
+@pytest.mark.parametrize("width", [5, 64, 65, 100, 128])
+def test_top_two_equals_topk(width):
+    """The blocked top-two (blocks of 16 here: one that ends short, one exactly) is topk's, ties of the
+    largest across and inside blocks included."""
+    x = torch.randn(3, 7, width, generator=torch.Generator().manual_seed(width))
+    x[0, 0, -1] = x[0, 1, 0] = x[0, 1, width // 2] = 9.0  # the largest in the last block; a tie
+    x[1, 0, :2] = torch.tensor([8.0, 7.5])  # the runner-up in the largest's block
+    best, argmax, runner_up = top_two(x, block=16)
+    top = x.topk(2, dim=-1)
+    assert torch.equal(best, top.values[..., 0]) and torch.equal(runner_up, top.values[..., 1])
+    assert torch.equal(x.gather(-1, argmax[..., None])[..., 0], best)  # the index holds the largest
+    untied = torch.ones_like(best, dtype=torch.bool)
+    untied[0, 1] = False
+    assert torch.equal(argmax[untied], top.indices[..., 0][untied])
+
+
+def test_compaction_moves_whole_slots():
+    """slot_rows with index_select is gather along the slot dim with the index expanded over the entries."""
+    tensor = torch.randn(2, 3, 2, 9, 4)
+    index = torch.rand(2, 3, 2, 9).argsort(dim=-1)[..., :5]
+    expected = torch.gather(tensor, 3, index[..., None].expand(*index.shape, 4))
+    moved = tensor.reshape(-1, 4).index_select(0, slot_rows(index, 9))
+    assert torch.equal(moved.view(2, 3, 2, 5, 4), expected)
