@@ -167,7 +167,8 @@ def memory_check(lengths: list[int], budget: int, chunk: int) -> None:
 
 def chunk_sweep(model, tokens: torch.Tensor, chunks: list[int], budget: int) -> None:
     """tokens/s against C for the engine (every policy at decision chunk C) and for plain forward passes
-    over C-token windows, side by side; position rules stream in max(C, min(B, 1024))-token passes whatever C."""
+    over C-token windows, side by side; position rules stream in max(C, min(B, 1024))-token passes
+    whatever C."""
     n = tokens.numel()
     policies = [
         ("window", {}, "original"),
