@@ -68,6 +68,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from checks.yardsticks import equal_work
 from rmm import engine, integration, recording
+from rmm import memory as slot_memory
 from rmm.engine import StreamingEngine, StreamRequest
 from rmm.files import atomic_write_text
 from rmm.memory import SlotMemory
@@ -361,11 +362,16 @@ def position_rule_passes(chunk: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def device_row_blocks() -> Iterator[None]:
-    """The explicit attention path over every row at once, as off the CPU (on a CPU it splits the batch
-    into cache-sized row blocks, ``rmm.integration.row_blocks``, which a device does not)."""
-    if not hasattr(integration, "CPU_BLOCK_BYTES"):
-        raise RuntimeError("checks/op_count.py patches rmm.integration.CPU_BLOCK_BYTES, which does not exist")
-    with mock.patch.object(integration, "CPU_BLOCK_BYTES", 2**62):
+    """The explicit attention path over every row at once and compaction over every layer at once, as off
+    the CPU (on a CPU they split the batch into cache-sized row blocks, ``rmm.integration.row_blocks``, and
+    the layers into blocks the allocator reuses, ``rmm.memory.move_slots``, which a device does not)."""
+    for module, name in ((integration, "CPU_BLOCK_BYTES"), (slot_memory, "CPU_MOVE_BYTES")):
+        if not hasattr(module, name):
+            raise RuntimeError(f"checks/op_count.py patches {module.__name__}.{name}, which does not exist")
+    with (
+        mock.patch.object(integration, "CPU_BLOCK_BYTES", 2**62),
+        mock.patch.object(slot_memory, "CPU_MOVE_BYTES", 2**62),
+    ):
         yield
 
 

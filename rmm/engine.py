@@ -277,7 +277,8 @@ class StreamingEngine:
         # autograd only for a policy that needs the gradient utility, and only for this pass
         with torch.enable_grad() if tracking else contextlib.nullcontext():
             logits = self.forward(memory, tokens_t, position_ids)  # [N, Q, V]
-            log_probs = torch.log_softmax(logits, dim=-1)
+            # in place unless autograd tracks it (out= is not differentiable): the logits are not kept
+            log_probs = torch.log_softmax(logits, dim=-1, out=None if tracking else logits)
             token_nll = -log_probs.gather(-1, targets_t[..., None])[..., 0]  # [N, Q]
             scored = [
                 min(first + length, stream.tokens.numel() - 1) - first

@@ -235,7 +235,8 @@ def _attend(
     value_dim = value.shape[-1]
     q, key, value = _padded_to_memory(kv_memory, q, key, value)
     keys, values = kv_memory.attend_keys_values(layer, key, value)  # [N, H, S, D] each
-    keys, values = keys[:, :n_kv], values[:, :n_kv]
+    if keys.shape[1] > n_kv:  # a layer with fewer heads than the memory (no view where it has them all)
+        keys, values = keys[:, :n_kv], values[:, :n_kv]
     sink_query = kv_memory.sink_query(layer, q)  # [N, H, G, Q, D] or None (cache positions, sinks)
     if kv_memory.record_queries:
         kv_memory.store_queries(layer, q)
@@ -243,7 +244,8 @@ def _attend(
         out = _fused_attention(layer, q, sink_query, keys, values, kv_memory, scaling)
     else:
         out = _explicit_attention(layer, q, sink_query, keys, values, kv_memory, scaling, softcap, s_aux)
-    return out.reshape(rows, n_kv * group, n_q, values.shape[-1])[..., :value_dim]
+    out = out.reshape(rows, n_kv * group, n_q, values.shape[-1])
+    return out if value_dim == out.shape[-1] else out[..., :value_dim]
 
 
 def _padded_to_memory(
@@ -360,16 +362,16 @@ def _probabilities(
     wide = torch.promote_types(q.dtype, torch.float32)
     rows, n_kv, group, n_q, head_dim = q.shape
     folded = q.reshape(rows, n_kv, group * n_q, head_dim)  # the group as rows: keys are never broadcast
-    logits = torch.matmul(folded, keys.transpose(-1, -2)).to(wide) * scaling
+    logits = torch.matmul(folded, keys.transpose(-1, -2)).to(wide).mul_(scaling)  # a fresh tensor: in place
     logits = logits.view(rows, n_kv, group, n_q, -1)  # [n, H, G, Q, S]
     if sink_query is not None:
         sink_keys = keys[:, :, None, :n_sinks].transpose(-1, -2)
         logits[..., :n_sinks] = torch.matmul(sink_query, sink_keys).to(wide) * scaling
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    logits.masked_fill_(hidden[:, :, None], float("-inf"))  # a fresh tensor: the product's scaled copy
-    if s_aux is None:
-        return torch.softmax(logits, dim=-1)
+    logits.masked_fill_(hidden[:, :, None], float("-inf"))
+    if s_aux is None:  # in place where autograd does not track it (out= is not differentiable)
+        return torch.softmax(logits, dim=-1, out=None if logits.requires_grad else logits)
     sinks = s_aux.to(wide).view(1, n_kv, group, 1, 1).expand(rows, -1, -1, n_q, 1)
     return torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
 

@@ -33,8 +33,9 @@ LayerMasks = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 def causal(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
     """bool [..., Q, S]: the valid keys ``key_pos`` [..., S] at or before each query ``query_pos``
     [..., Q]."""
-    keys = key_pos[..., None, :]
-    return (keys >= 0) & (keys <= query_pos[..., :, None])
+    # an empty slot (-1) placed after every query: one comparison over [..., Q, S], not three
+    keys = torch.where(key_pos < 0, torch.iinfo(key_pos.dtype).max, key_pos)[..., None, :]
+    return keys <= query_pos[..., :, None]
 
 
 def visible_count(allowed: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,9 @@ from conftest import STREAM_LENGTH, record_max
 from omegaconf import OmegaConf
 
 from checks.matrix import distinct_stream
+from rmm import memory as slot_memory
 from rmm.engine import StreamingEngine, top_two
 from rmm.lookahead import RequestRecorder, record_future
-from rmm.memory import slot_rows
 from rmm.options import POSITIONS
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
@@ -243,10 +243,13 @@ def test_top_two_equals_topk(width):
     assert torch.equal(argmax[untied], top.indices[..., 0][untied])
 
 
-def test_compaction_moves_whole_slots():
-    """slot_rows with index_select is gather along the slot dim with the index expanded over the entries."""
-    tensor = torch.randn(2, 3, 2, 9, 4)
-    index = torch.rand(2, 3, 2, 9).argsort(dim=-1)[..., :5]
+@pytest.mark.parametrize("move_bytes", [1, 2**62])  # a layer per call (a CPU), every layer at once
+def test_compaction_moves_whole_slots(move_bytes, monkeypatch):
+    """move_slots is gather along the slot dim with the index expanded over the entries, in layer blocks
+    or all at once."""
+    monkeypatch.setattr(slot_memory, "CPU_MOVE_BYTES", move_bytes)
+    tensor = torch.randn(3, 2, 2, 9, 4)
+    index = torch.rand(3, 2, 2, 9).argsort(dim=-1)[..., :5]
     expected = torch.gather(tensor, 3, index[..., None].expand(*index.shape, 4))
-    moved = tensor.reshape(-1, 4).index_select(0, slot_rows(index, 9))
-    assert torch.equal(moved.view(2, 3, 2, 5, 4), expected)
+    slot_memory.move_slots(tensor, slot_memory.slot_rows(index, 9))
+    assert torch.equal(tensor[..., :5, :], expected)
