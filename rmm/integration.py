@@ -327,9 +327,10 @@ def _explicit_attention(
 
 
 # the explicit path on a CPU: rows per computation such that one computation's fp32 probabilities
-# [n, n_heads, Q, S] stay within about this many bytes; on other devices every row at once. Measured
-# (SmolLM2, 2 cores, batch 8, C = 64): at B = 256 the whole batch at once (5.9 MB) runs h2o 1.07x as fast
-# as 1 MB blocks; at B = 1024, 1 MB blocks 1.04x the whole batch (docs/speed.md)
+# [n, n_heads, Q, S] stay within about this many bytes; on other devices every row at once. Chosen by an ad
+# hoc measurement with this constant patched (SmolLM2, 2 cores, batch 8, C = 64, 2026-12-05): at B = 256
+# the whole batch at once (5.9 MB) ran h2o 1.07x as fast as 1 MB blocks; at B = 1024, 1 MB blocks 1.04x
+# the whole batch
 CPU_BLOCK_BYTES = 2**23
 
 

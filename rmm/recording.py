@@ -15,8 +15,8 @@ import torch
 # Position rules decide per query, so their results do not depend on how many tokens one forward pass
 # takes; without recorded attention a pass takes max(C, min(R, this many)) tokens: long passes amortise
 # the per-pass work, and a pass of at most R keeps a query's slots within twice what it may attend
-# (measured, SmolLM2 on 2 CPU cores, B = 256: 256-token passes 1.15x the speed of 1024-token ones at 4
-# and 8 documents per pass, 0.97x at 1; docs/speed.md).
+# (an ad hoc measurement with this constant patched, SmolLM2 on 2 CPU cores, B = 256, 2026-12-05:
+# 256-token passes ran window 1.15x as fast as 1024-token ones at 4 and 8 documents per pass, 0.97x at 1).
 POSITION_RULE_CHUNK = 1024
 
 # a position rule: allowed(query_pos [..., Q], key_pos [..., S]) -> bool [..., Q, S] (broadcast)
