@@ -34,7 +34,7 @@ def causal(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
     """bool [..., Q, S]: the valid keys ``key_pos`` [..., S] at or before each query ``query_pos``
     [..., Q]."""
     # an empty slot (-1) placed after every query: one comparison over [..., Q, S], not three
-    keys = torch.where(key_pos < 0, torch.iinfo(key_pos.dtype).max, key_pos)[..., None, :]
+    keys = key_pos.masked_fill(key_pos < 0, torch.iinfo(key_pos.dtype).max)[..., None, :]
     return keys <= query_pos[..., :, None]
 
 

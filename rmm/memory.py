@@ -498,9 +498,12 @@ def move_slots(tensor: torch.Tensor, rows: torch.Tensor) -> None:
     if tensor.device.type == "cpu":
         step = max(1, CPU_MOVE_BYTES // (per_layer * width * tensor.element_size()))
     flat = tensor.reshape(-1, width)
-    for first in range(0, n_layers, step):
-        block = tensor[first : first + step]
-        moved = flat.index_select(0, rows[first * per_layer : (first + step) * per_layer])
+    blocks = [(tensor, rows)]
+    if step < n_layers:
+        starts = range(0, n_layers, step)
+        blocks = [(tensor[i : i + step], rows[i * per_layer : (i + step) * per_layer]) for i in starts]
+    for block, block_rows in blocks:
+        moved = flat.index_select(0, block_rows)
         block[..., :retained, :] = moved.view(block.shape[0], n, heads, retained, width)
 
 
