@@ -146,9 +146,30 @@ class ModelMask:
         )
 
 
-def model_mask(*, mask_function: Callable = causal_mask_function, **kwargs) -> ModelMask:
-    """transformers' mask interface for the bounded attention: hand the mask function over as it is."""
-    return ModelMask(mask_function)
+def model_mask(
+    *, mask_function: Callable = causal_mask_function, config: PretrainedConfig | None = None, **kwargs
+) -> ModelMask | None:
+    """transformers' mask interface for the bounded attention: hand the mask function over as it is. A
+    model that adds a bias per key onto its mask (:func:`key_bias_window`) gets no mask (None), so that
+    what it hands the attention function is its bias alone (:func:`_key_bias`); the bounded attention
+    masks causally itself, and any other mask function is refused."""
+    if config is None or key_bias_window(config) is None:
+        return ModelMask(mask_function)
+    if mask_function is not causal_mask_function:
+        raise UnsupportedModelError(
+            f"{type(config).__name__} asks for a {getattr(mask_function, '__name__', 'non-causal')} mask and "
+            "adds its learned bias per key onto it; the bounded attention reads that bias from an unmasked "
+            "chunk only, so it supports such a model with plain causal masks alone"
+        )
+    return None
+
+
+def key_bias_window(config: PretrainedConfig) -> int | None:
+    """The keep window W of a model that adds a learned bias per key and KV head, computed from that
+    token's values, to every attention logit, and lets each query attend only the W keys of largest bias
+    that it sees (Doge's dynamic mask, ``keep_window_size``); None for any other model."""
+    window = getattr(config, "keep_window_size", None)
+    return int(window) if window else None
 
 
 def bounded_attention(
@@ -193,11 +214,37 @@ def bounded_attention(
         raise RuntimeError(f"attention '{ATTENTION_NAME}' is only usable through rmm.engine.StreamingEngine")
     tiles = _check_call(module, query, key, value, memory, attention_mask, kwargs)
     visible = _visibility(attention_mask, sliding_window)
+    if isinstance(attention_mask, torch.Tensor):  # a bias per key (checked by _check_call)
+        memory.store_key_bias(module.layer_idx, *_key_bias(module, attention_mask, key.shape[1]))
     order, query, key, value, s_aux = _untiled(tiles, query, key, value, s_aux)
     out = _attend(module.layer_idx, query, key, value, memory, visible, scaling, softcap, s_aux)
     if order is not None:  # back to the model's order of query heads
         out = out[:, torch.argsort(order)]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _key_bias(module: torch.nn.Module, attention_mask: torch.Tensor, n_kv: int) -> tuple[torch.Tensor, int]:
+    """The bias per key a model adds to its attention logits (:func:`key_bias_window`), read from the mask
+    tensor it hands over for the chunk's own keys, [N, n_heads, Q, Q]: the same for every query and for
+    the query heads of one KV head (those of KV head h are h * G .. h * G + G - 1). Returns the bias per
+    KV head and key [N, n_kv, Q] and the keep window W; a mask of any other form is refused."""
+    name = type(module).__name__
+    window = key_bias_window(module.config)
+    rows, n_heads, n_q, n_keys = attention_mask.shape
+    if n_q > window:
+        raise UnsupportedModelError(
+            f"{name} keeps, per query, the {window} keys of largest bias, and a chunk of {n_q} tokens would "
+            f"have it select keys within the chunk itself; use a chunk of at most {window} tokens"
+        )
+    group = n_heads // n_kv
+    bias = attention_mask[:, ::group, 0]  # [N, n_kv, Q]
+    per_key = bias.repeat_interleave(group, dim=1)[:, :, None].expand(rows, n_heads, n_q, n_keys)
+    if n_keys != n_q or not torch.equal(attention_mask, per_key):
+        raise UnsupportedModelError(
+            f"{name} hands attention a mask tensor {tuple(attention_mask.shape)} that is not one bias per "
+            "key and KV head for the chunk's own keys; the bounded attention cannot tell what it hides"
+        )
+    return bias, window
 
 
 def _visibility(
@@ -303,6 +350,9 @@ def _explicit_attention(
     n_kv, group, n_q = q.shape[1:4]
     blocked = kv_memory.blocked_mask(layer)
     hidden = ~kv_memory.allowed_mask(layer) if blocked is None else blocked  # [N, H or 1, Q, S]
+    key_bias = kv_memory.key_bias_for(layer, keys.shape[1], keys.shape[2])  # [N, H, S] or None
+    if key_bias is not None:
+        hidden = _outside_keep_window(hidden, key_bias, kv_memory.keep_window)
     outs = []
     for part in row_blocks(q, keys.shape[2], kv_memory.track_gradient):
         probs = _probabilities(
@@ -314,6 +364,7 @@ def _explicit_attention(
             scaling,
             softcap,
             s_aux,
+            None if key_bias is None else key_bias[part],
         )
         if kv_memory.record_attention:
             kv_memory.store_attention(layer, probs.sum(dim=2), part)  # GQA group summed: [n, H, Q, S]
@@ -332,6 +383,18 @@ def _explicit_attention(
 # the whole batch at once (5.9 MB) ran h2o 1.07x as fast as 1 MB blocks; at B = 1024, 1 MB blocks 1.04x
 # the whole batch
 CPU_BLOCK_BYTES = 2**23
+
+
+def _outside_keep_window(hidden: torch.Tensor, key_bias: torch.Tensor, window: int) -> torch.Tensor:
+    """``hidden`` [N, H or 1, Q, S] with, for each query, the keys it sees beyond the ``window`` of largest
+    ``key_bias`` [N, H, S] hidden too (:func:`key_bias_window`), ties to the more recent key (slots are in
+    position order): [N, H, Q, S]; unchanged where no query can see more than ``window`` slots."""
+    n_slots = hidden.shape[-1]
+    if n_slots <= window:
+        return hidden
+    scores = key_bias[:, :, None, :].masked_fill(hidden, float("-inf")).flip(-1)  # latest slot first
+    top = n_slots - 1 - torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :window]
+    return hidden | torch.ones_like(scores, dtype=torch.bool).scatter_(-1, top, False)
 
 
 def row_blocks(query: torch.Tensor, n_slots: int, whole: bool) -> list[slice]:
@@ -355,11 +418,12 @@ def _probabilities(
     scaling: float,
     softcap: float | None,
     s_aux: torch.Tensor | None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probabilities [n, H, G, Q, S] in fp32 (fp64 for an fp64 model) of queries q [n, H, G, Q, D]
     over keys [n, H, S, D], ``hidden`` [n, H or 1, Q, S] masked out; the first ``n_sinks`` slots seen by
-    ``sink_query`` where given; logits soft-capped by ``softcap``; one more logit per query head from
-    ``s_aux`` [n_heads] whose probability is dropped."""
+    ``sink_query`` where given; logits soft-capped by ``softcap``, then ``key_bias`` [n, H, S] added; one
+    more logit per query head from ``s_aux`` [n_heads] whose probability is dropped."""
     wide = torch.promote_types(q.dtype, torch.float32)
     rows, n_kv, group, n_q, head_dim = q.shape
     folded = q.reshape(rows, n_kv, group * n_q, head_dim)  # the group as rows: keys are never broadcast
@@ -370,6 +434,8 @@ def _probabilities(
         logits[..., :n_sinks] = torch.matmul(sink_query, sink_keys).to(wide) * scaling
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    if key_bias is not None:
+        logits.add_(key_bias[:, :, None, None].to(wide))
     logits.masked_fill_(hidden[:, :, None], float("-inf"))
     if s_aux is None:  # in place where autograd does not track it (out= is not differentiable)
         return torch.softmax(logits, dim=-1, out=None if logits.requires_grad else logits)
@@ -383,9 +449,10 @@ def attention_path(kv_memory: SlotMemory, softcap: float | None, s_aux: torch.Te
     probabilities materialised in fp32, fp64 for an fp64 model). They are needed when the memory records
     attention (a policy that reads it, the gradient utility, or an observer:
     ``RecordingPlan.observed``), or when the model asks for a logit softcap or attention-sink logits
-    (``s_aux``). The fused call never passes ``enable_gqa`` with a mask (which sends CUDA to its unfused
-    math kernel): the query group is folded into the rows instead."""
-    if kv_memory.record_attention or softcap is not None or s_aux is not None:
+    (``s_aux``), or adds a bias per key (:func:`key_bias_window`). The fused call never passes
+    ``enable_gqa`` with a mask (which sends CUDA to its unfused math kernel): the query group is folded
+    into the rows instead."""
+    if kv_memory.record_attention or softcap is not None or s_aux is not None or kv_memory.has_key_bias:
         return "explicit"
     return "fused"
 
@@ -603,7 +670,7 @@ def check_model(model: PreTrainedModel) -> None:
     """Refuse, before streaming, a model whose attention the bounded attention would not reproduce.
 
     Reads the (text) config: ALiBi, bidirectional attention, keys selected per query (a sparse attention
-    indexer, a learned bias per key: :func:`_check_key_selection`), layers that
+    indexer, a learned bias per key on a windowed mask: :func:`_check_key_selection`), layers that
     are not attention whose state the model's own cache cannot carry (:func:`carried_layers`), no
     attention layer at all (length-dependent RoPE under cache positions: :func:`check_positions`).
     Whatever the config does not say is found by :mod:`rmm.selfcheck` before the first scored token.
@@ -632,22 +699,20 @@ def check_model(model: PreTrainedModel) -> None:
 
 
 def _check_key_selection(config: PretrainedConfig, name: str) -> None:
-    """Refuse a model whose queries attend only keys that it selects itself: a learned indexer over its
-    own cache of indexer keys (``index_topk``), or a learned bias per key that also selects the keys
-    (Doge's dynamic mask, ``keep_window_size``)."""
+    """Refuse a model whose queries attend only keys that a learned indexer selects from its own cache of
+    indexer keys (``index_topk``), and a model with a bias per key (:func:`key_bias_window`) whose mask is
+    windowed (the bias is read from an unmasked chunk: :func:`model_mask`)."""
     if getattr(config, "index_topk", None):
         raise UnsupportedModelError(
             f"{name} attends, per query, only the {config.index_topk} keys that a learned indexer selects "
             "from its own cache of indexer keys (sparse attention), which the bounded attention does not "
             "reproduce; this model is not supported"
         )
-    if getattr(config, "keep_window_size", None):
+    if key_bias_window(config) is not None and getattr(config, "sliding_window", None):
         raise UnsupportedModelError(
-            f"{name} adds a learned bias per key (from its values) to each attention logit and, past "
-            f"{config.keep_window_size} keys, attends only the {config.keep_window_size} of largest bias (a "
-            "dynamic mask it builds from the mask tensor, per KV head); the slot memory holds no bias per "
-            "entry and the bounded attention reads masks only as mask functions, so this model is not "
-            "supported"
+            f"{name} adds a learned bias per key onto a sliding-window mask; the bounded attention reads "
+            "that bias from an unmasked chunk only, so it supports such a model with plain causal masks "
+            "alone (sliding_window=None)"
         )
 
 
@@ -798,7 +863,11 @@ def _check_call(
             f"{name} passes {', '.join(unknown)} to its attention function, which the bounded attention "
             "does not implement; extend rmm/integration.py:bounded_attention"
         )
-    if attention_mask is not None and not isinstance(attention_mask, ModelMask):
+    bias = (
+        isinstance(attention_mask, torch.Tensor)
+        and key_bias_window(getattr(module, "config", None)) is not None
+    )
+    if attention_mask is not None and not isinstance(attention_mask, ModelMask) and not bias:
         raise UnsupportedModelError(
             f"{name} builds its own attention mask ({type(attention_mask).__name__}) instead of asking "
             "transformers' mask interface, so the bounded attention cannot tell what it hides"

@@ -173,6 +173,10 @@ class SlotMemory:
         self.state = {name: torch.zeros(self.key_pos.shape, device=device) for name in self.plan.state_names}
         self.attn: torch.Tensor | None = None
         self.utility: torch.Tensor | None = None
+        # a model's bias per key (:func:`rmm.integration.key_bias_window`), [L, N, H, R + C], allocated at
+        # its first store, and its keep window
+        self.key_bias: torch.Tensor | None = None
+        self.keep_window = 0
         if self.record_attention:
             self.record_all_attention()
         # per row: attended entries, evicted entries' summed age and their count, accumulated on the device
@@ -230,7 +234,7 @@ class SlotMemory:
 
         self.keys, self.values, self.raw_keys = apply(self.keys), apply(self.values), apply(self.raw_keys)
         self.key_pos, self.attn, self.utility = apply(self.key_pos), apply(self.attn), apply(self.utility)
-        self.queries = apply(self.queries)
+        self.queries, self.key_bias = apply(self.queries), apply(self.key_bias)
         self.state = {name: apply(tensor) for name, tensor in self.state.items()}
         self.totals = apply(self.totals, 0)
         self.rows = self.keys.shape[1]
@@ -252,7 +256,7 @@ class SlotMemory:
             return out
 
         self.keys, self.values, self.raw_keys = (wider(t) for t in (self.keys, self.values, self.raw_keys))
-        self.key_pos = wider(self.key_pos, -1)
+        self.key_pos, self.key_bias = wider(self.key_pos, -1), wider(self.key_bias)
         self.state = {name: wider(tensor) for name, tensor in self.state.items()}
         self.retained, self.chunk = retained, chunk
         self.queries = None  # allocated again at the next store
@@ -331,6 +335,28 @@ class SlotMemory:
         if self.storage is KeyStorage.UNROTATED:
             return torch.cat([kept, key], dim=2), self.values[layer, :, :, :end]
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def store_key_bias(self, layer: int, bias: torch.Tensor, window: int) -> None:
+        """The chunk's bias per key [N, H_l, Q] that the model adds to every logit of the layer's keys, and
+        its keep window (:func:`rmm.integration.key_bias_window`); kept with the entries like their keys."""
+        if self.key_bias is None:
+            wide = torch.promote_types(bias.dtype, torch.float32)
+            self.key_bias = torch.zeros(self.key_pos.shape, dtype=wide, device=self.device)
+        self.keep_window = window
+        n_heads, n_q = bias.shape[1:]
+        self.key_bias[layer, :, :n_heads, self.retained : self.retained + n_q] = bias
+
+    @property
+    def has_key_bias(self) -> bool:
+        """Whether the model adds a bias per key (stored at the pass's first call of a layer)."""
+        return self.key_bias is not None
+
+    def key_bias_for(self, layer: int, n_heads: int, n_slots: int) -> torch.Tensor | None:
+        """The bias per key [N, n_heads, n_slots] of the slots the layer attends (its storing layer's);
+        None for a model without one."""
+        if self.key_bias is None:
+            return None
+        return self.key_bias[self.sources[layer], :, :n_heads, :n_slots]
 
     def enter_layer(self, layer: int, visible: LayerWindow | None) -> None:
         """Called by the attention function once per layer and pass: counts the call and applies the
@@ -467,8 +493,9 @@ class SlotMemory:
         for tensor in (self.keys, self.values, self.raw_keys):
             if tensor is not None:
                 move_slots(tensor, rows)
-        for tensor in self.state.values():
-            tensor[..., : self.retained] = torch.gather(tensor[..., :n], -1, index)
+        for tensor in (*self.state.values(), self.key_bias):
+            if tensor is not None:
+                tensor[..., : self.retained] = torch.gather(tensor[..., :n], -1, index)
         self.key_pos[..., : self.retained] = new_pos
         return evicted
 

@@ -6,7 +6,7 @@ plan says. The checks that need only a config run before the weights load too (r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -138,6 +138,15 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
     recording = recording_plan(policy, positions, allocation, facts.shape[:2])
     if options.layers == "global" and policy.budget is not None:
         recording = recording.exempting(facts.windows)
+    window = integration.key_bias_window(facts.config)
+    if window is not None:  # the model would select keys within a longer pass by itself
+        if policy.chunk > window:
+            raise ValueError(
+                f"{facts.name} lets each query attend only the {window} keys of largest bias (its keep "
+                f"window), and a chunk of {policy.chunk} tokens would have it select keys within the chunk "
+                f"itself; use chunk <= {window}"
+            )
+        recording = replace(recording, pass_limit=window)
     check_carried(facts.name, facts.carried, recording, scope)
     check_latent(facts.config, facts.name, policy, scope)
     check_layer_shapes(facts.name, policy, allocation, facts.layer_shapes)

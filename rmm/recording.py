@@ -46,6 +46,8 @@ class RecordingPlan:
     state_names : the policy's per-slot statistics [L, H, S], moved with the slots.
     exempt : per layer, whether the policy leaves it alone (``layers=global``: a windowed layer keeps
         whatever its own window shows); empty when the policy applies to every layer.
+    pass_limit : the most tokens one pass may take (a model that selects keys by a bias per key within
+        its keep window: :func:`rmm.integration.key_bias_window`); None: no limit.
     """
 
     rule: AllowedFn | None
@@ -60,14 +62,18 @@ class RecordingPlan:
     sink_rank: int | None
     state_names: tuple[str, ...]
     exempt: tuple[bool, ...] = ()
+    pass_limit: int | None = None
 
     @property
     def chunk(self) -> int:
         """Tokens per forward pass: C for score-based policies and whenever attention is recorded,
-        max(C, min(R, POSITION_RULE_CHUNK)) for position rules otherwise (R unbounded: the constant)."""
+        max(C, min(R, POSITION_RULE_CHUNK)) for position rules otherwise (R unbounded: the constant), at
+        most ``pass_limit`` (never below C, which the planner keeps within it)."""
         if self.record_attention or self.rule is None:
             return self.decision_chunk
         longest = POSITION_RULE_CHUNK if self.retained is None else min(self.retained, POSITION_RULE_CHUNK)
+        if self.pass_limit is not None:
+            longest = min(longest, self.pass_limit)
         return max(self.decision_chunk, longest)
 
     def slots(self, n_tokens: int) -> tuple[int, int]:

@@ -23,6 +23,10 @@ In particular it has
   whole stream (``DynamicCache`` from its config), whose mixers carry their state from token to token
   as the model defines it and whose attention layers hold exactly R_t (:class:`_Carried`); a layer
   whose attention is never called holds nothing;
+- for a model that adds a learned bias per key and keeps per query the keys of largest bias (Doge), the
+  bias each key's token was given when the model produced it (recorded then: the model computes a
+  column's bias from every KV head's value there) and its own keep-window rule, the model's own selection
+  switched off (:func:`_unselected`);
 - its own model shape reading (and which query heads attend which KV head of its cache, from the keys
   the model hands attention: JetMoE hands its KV heads as copies one after the other), its own
   seeded hash for ``random`` (splitmix64 on Python integers),
@@ -38,6 +42,7 @@ In particular it has
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Callable
@@ -177,7 +182,16 @@ class _ModelMask:
         self.mask_function = mask_function
 
 
-def _model_mask(*, mask_function: Callable = causal_mask_function, **kwargs) -> _ModelMask:
+def _model_mask(
+    *, mask_function: Callable = causal_mask_function, config=None, **kwargs
+) -> _ModelMask | None:
+    """The model's mask function, unevaluated; no mask for a model that adds a bias per key onto its mask
+    and keeps per query the keys of largest bias (``keep_window_size``), so that what it hands attention is
+    that bias alone (:func:`_ragged_attention` masks)."""
+    if getattr(config, "keep_window_size", None):
+        if mask_function is not causal_mask_function:
+            raise ValueError("the reference reads a bias per key on plain causal masks only")
+        return None
     return _ModelMask(mask_function)
 
 
@@ -425,6 +439,7 @@ def _reference_stream(
     AttentionMaskInterface.register(RAGGED_ATTENTION, _model_mask)
     model.set_attn_implementation(RAGGED_ATTENTION)
     _MASKS.clear()
+    _BIAS.clear()
     retained = [[[] for _ in range(h)] for h in heads]  # R_t, sorted position lists
 
     def per_head() -> list:
@@ -454,96 +469,97 @@ def _reference_stream(
     carried = _Carried(model) if _has_mixers(model) else None
     if carried is not None and (rule.reads_future or getattr(spec, "weight", None) == "gradient"):
         raise ValueError("the reference carries a hybrid model's state through one stream, not a look-ahead")
-    for t in range(n):
-        spec.retained_log.append([[list(r) for r in layer] for layer in retained])
-        m = max(len(kept) for per_head in retained for kept in per_head)
-        query_pos = t if spec.positions == "original" else m
-        cache = _cache(
-            retained, keys, values, made_at, spec.positions, inv_freq, [t], carried, shared, sources
-        )
-        out = model(
-            tokens[None, t : t + 1],
-            position_ids=torch.tensor([[query_pos]]),
-            cache=cache,
-            use_cache=True,
-            output_attentions=True,
-        )
-        made_at[t] = query_pos
-        if carried is None:
-            produced = {layer: (c.keys, c.values) for layer, c in enumerate(out.past_key_values.layers)}
-        else:
-            produced = carried.produced
-        holding = [layer for layer in sorted(produced) if sources[layer] == layer]
-        # the layers whose attention ran: every layer but a mixer's, those reading another's cache too
-        attending = sorted(holding + [layer for layer, source in enumerate(sources) if source != layer])
-        if len(out.attentions) != len(attending):
-            raise ValueError(
-                f"{len(out.attentions)} attention maps for the {len(attending)} layers that attended"
+    with _unselected(model):  # the model selects no keys itself: the rule does
+        for t in range(n):
+            spec.retained_log.append([[list(r) for r in layer] for layer in retained])
+            m = max(len(kept) for per_head in retained for kept in per_head)
+            query_pos = t if spec.positions == "original" else m
+            cache = _cache(
+                retained, keys, values, made_at, spec.positions, inv_freq, [t], carried, shared, sources
             )
-        for layer in holding:
-            for h in range(heads[layer]):
-                entry = 0 if shared else h  # a latent is every head's
-                keys[layer][h][t] = produced[layer][0][0, entry, -1].clone()
-                values[layer][h][t] = produced[layer][1][0, entry, -1].clone()
-        log_probs = torch.log_softmax(out.logits[0, -1].double(), -1)
-        if t + 1 < n:
-            nll[t] = -log_probs[tokens[t + 1]]
-            correct[t] = int(log_probs.argmax()) == int(tokens[t + 1])
-            weight = {"correct": float(correct[t]), "prob": math.exp(log_probs[tokens[t + 1]].item())}
-        else:  # the document's last query has no target
-            weight = {"correct": 0.0, "prob": 0.0}
-        record["weights"].append(weight | {"uniform": 1.0})
-        # a mixer sees nothing; a layer reading another's cache adds its attention to that layer's
-        step_attention = per_head()
-        for layer, maps in zip(attending, out.attentions, strict=True):
-            probs = maps[0, _PASS["order", layer], 0].double()  # [n_heads, m + 1], by KV head
-            group = probs.shape[0] // heads[layer]
-            held = retained[sources[layer]]
-            for h in range(heads[layer]):
-                summed = probs[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
-                summed = summed[: len(held[h])] + summed[-1:]  # without a ragged head's padding
-                seen = dict(zip(held[h] + [t], summed, strict=True))
-                shown = sees(layer, t, list(seen))  # the layer's own window
-                row = step_attention[sources[layer]][h]
-                for (j, a), visible in zip(seen.items(), shown, strict=True):
-                    if visible:
-                        row[j] = row.get(j, 0.0) + a
-        for layer in holding:
-            for h, seen in enumerate(step_attention[layer]):
-                count, last_use = record["count"][layer][h], record["last_use"][layer][h]
-                attention_sum = record["attention_sum"][layer][h]
-                for j, a in seen.items():
-                    count[j] = count.get(j, 0) + 1
-                    if a >= spec.tau or j == t:
-                        last_use[j] = t
-                    attention_sum[j] = attention_sum.get(j, 0.0) + a
-        record["rows"].append(step_attention)
-        if record_attention:
-            spec.attention_log.append(step_attention)
-        for layer in holding:
-            for h in range(heads[layer]):
-                retained[layer][h].append(t)
-        now = t + 1
-        if now == n:
-            break
-        if rule.observe is not None:
-            rule.observe(spec, record, t)
-        record["exempt"] = [spec.layers == "global" and windowed(layer) for layer in range(n_layers)]
-        for layer in range(n_layers):
-            # a score rule never keeps what the layer's window hides from now on; nor does an exempt layer
-            if rule.visible is None or record["exempt"][layer]:
+            out = model(
+                tokens[None, t : t + 1],
+                position_ids=torch.tensor([[query_pos]]),
+                cache=cache,
+                use_cache=True,
+                output_attentions=True,
+            )
+            made_at[t] = query_pos
+            if carried is None:
+                produced = {layer: (c.keys, c.values) for layer, c in enumerate(out.past_key_values.layers)}
+            else:
+                produced = carried.produced
+            holding = [layer for layer in sorted(produced) if sources[layer] == layer]
+            # the layers whose attention ran: every layer but a mixer's, those reading another's cache too
+            attending = sorted(holding + [layer for layer, source in enumerate(sources) if source != layer])
+            if len(out.attentions) != len(attending):
+                raise ValueError(
+                    f"{len(out.attentions)} attention maps for the {len(attending)} layers that attended"
+                )
+            for layer in holding:
                 for h in range(heads[layer]):
-                    kept = retained[layer][h]
-                    shown = sees(layer, now, kept)
-                    retained[layer][h] = [j for j, visible in zip(kept, shown, strict=True) if visible]
-        if rule.visible is not None:
+                    entry = 0 if shared else h  # a latent is every head's
+                    keys[layer][h][t] = produced[layer][0][0, entry, -1].clone()
+                    values[layer][h][t] = produced[layer][1][0, entry, -1].clone()
+            log_probs = torch.log_softmax(out.logits[0, -1].double(), -1)
+            if t + 1 < n:
+                nll[t] = -log_probs[tokens[t + 1]]
+                correct[t] = int(log_probs.argmax()) == int(tokens[t + 1])
+                weight = {"correct": float(correct[t]), "prob": math.exp(log_probs[tokens[t + 1]].item())}
+            else:  # the document's last query has no target
+                weight = {"correct": 0.0, "prob": 0.0}
+            record["weights"].append(weight | {"uniform": 1.0})
+            # a mixer sees nothing; a layer reading another's cache adds its attention to that layer's
+            step_attention = per_head()
+            for layer, maps in zip(attending, out.attentions, strict=True):
+                probs = maps[0, _PASS["order", layer], 0].double()  # [n_heads, m + 1], by KV head
+                group = probs.shape[0] // heads[layer]
+                held = retained[sources[layer]]
+                for h in range(heads[layer]):
+                    summed = probs[h * group : (h + 1) * group].sum(0).tolist()  # GQA group summed
+                    summed = summed[: len(held[h])] + summed[-1:]  # without a ragged head's padding
+                    seen = dict(zip(held[h] + [t], summed, strict=True))
+                    shown = sees(layer, t, list(seen))  # the layer's own window
+                    row = step_attention[sources[layer]][h]
+                    for (j, a), visible in zip(seen.items(), shown, strict=True):
+                        if visible:
+                            row[j] = row.get(j, 0.0) + a
+            for layer in holding:
+                for h, seen in enumerate(step_attention[layer]):
+                    count, last_use = record["count"][layer][h], record["last_use"][layer][h]
+                    attention_sum = record["attention_sum"][layer][h]
+                    for j, a in seen.items():
+                        count[j] = count.get(j, 0) + 1
+                        if a >= spec.tau or j == t:
+                            last_use[j] = t
+                        attention_sum[j] = attention_sum.get(j, 0.0) + a
+            record["rows"].append(step_attention)
+            if record_attention:
+                spec.attention_log.append(step_attention)
+            for layer in holding:
+                for h in range(heads[layer]):
+                    retained[layer][h].append(t)
+            now = t + 1
+            if now == n:
+                break
+            if rule.observe is not None:
+                rule.observe(spec, record, t)
+            record["exempt"] = [spec.layers == "global" and windowed(layer) for layer in range(n_layers)]
             for layer in range(n_layers):
-                if record["exempt"][layer]:
-                    continue
-                for h in range(heads[layer]):
-                    retained[layer][h] = [j for j in retained[layer][h] if rule.visible(spec, now, j)]
-        elif now % spec.chunk == 0:
-            _decide(spec, retained, now, record)
+                # a score rule never keeps what the layer's window hides from now on; nor does an exempt layer
+                if rule.visible is None or record["exempt"][layer]:
+                    for h in range(heads[layer]):
+                        kept = retained[layer][h]
+                        shown = sees(layer, now, kept)
+                        retained[layer][h] = [j for j, visible in zip(kept, shown, strict=True) if visible]
+            if rule.visible is not None:
+                for layer in range(n_layers):
+                    if record["exempt"][layer]:
+                        continue
+                    for h in range(heads[layer]):
+                        retained[layer][h] = [j for j in retained[layer][h] if rule.visible(spec, now, j)]
+            elif now % spec.chunk == 0:
+                _decide(spec, retained, now, record)
     return nll, correct
 
 
@@ -677,6 +693,8 @@ class _Carried(DynamicCache):
 _PASS: dict = {}
 # layer -> the model's mask function in the last pass (causal, sliding window, attention chunks)
 _MASKS: dict[int, Callable] = {}
+# (layer, query head, position) -> the bias per key the model gave that token's key when it produced it
+_BIAS: dict[tuple[int, int, int], float] = {}
 RAGGED_ATTENTION = "rmm_reference_ragged"
 
 
@@ -710,9 +728,13 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
                 for s in queries
             ]
         )
+    bias = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     attention_mask = torch.zeros(len(columns), len(queries), len(columns[0]), dtype=query.dtype)
     attention_mask = attention_mask.masked_fill(torch.tensor(blocked), -math.inf)
     attention_mask = attention_mask[attended][None]  # per query head, its KV head's
+    if bias is not None:  # the model's bias per key, each key's as its token produced it; its keep window
+        bias = _produced_bias(layer, bias, columns, attended, queries)
+        attention_mask = _keep_window(attention_mask + bias, bias, columns, attended, queries, module)
     out, weights = eager(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
     )
@@ -728,6 +750,53 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
             share = torch.sigmoid(lse - sinks.double().view(1, -1, 1, 1))
             weights = (weights.double() * share).to(weights.dtype)
     return out, weights
+
+
+def _produced_bias(layer, bias, columns, attended, queries):
+    """The model's bias per key [1, n_heads, Q, K] with every column holding the bias its key's token was
+    given when it was produced (recorded in :data:`_BIAS` from the pass's own columns, the last Q): the model
+    computes a key's bias from all KV heads' values at its column, which heads holding other positions
+    (``scope=head``) would mix."""
+    out = torch.zeros_like(bias)
+    for head, kv in enumerate(attended.tolist()):
+        positions = columns[kv]
+        for c, j in enumerate(positions[-len(queries) :], start=len(positions) - len(queries)):
+            _BIAS[layer, head, j] = bias[0, head, 0, c].item()
+        for c, j in enumerate(positions):
+            if j is not None:
+                out[0, head, :, c] = _BIAS[layer, head, j]
+    return out
+
+
+def _keep_window(mask, bias, columns, attended, queries, module):
+    """``mask`` [1, n_heads, Q, K] (the bias added) with, for each query head and query, the columns it sees
+    beyond the ``keep_window_size`` of largest ``bias`` set to -inf, ties to the more recent position."""
+    window = module.config.keep_window_size
+    mask = mask.clone()
+    for head, kv in enumerate(attended.tolist()):
+        positions = columns[kv]
+        for q in range(len(queries)):
+            seen = [c for c, j in enumerate(positions) if j is not None and mask[0, head, q, c] > -math.inf]
+            ranked = sorted(seen, key=lambda c: (float(bias[0, head, q, c]), positions[c]), reverse=True)
+            for c in ranked[window:]:
+                mask[0, head, q, c] = -math.inf
+    return mask
+
+
+@contextlib.contextmanager
+def _unselected(model: PreTrainedModel):
+    """``with _unselected(model):`` a model that keeps per query the keys of largest bias
+    (``keep_window_size``) hands attention every key's bias, selecting none itself (its attention modules'
+    ``keep_window_size`` raised for the block): :func:`_keep_window` selects, by the rule."""
+    modules = [m for m in model.modules() if hasattr(m, "keep_window_size")]
+    saved = [m.keep_window_size for m in modules]
+    for m in modules:
+        m.keep_window_size = sys.maxsize
+    try:
+        yield
+    finally:
+        for m, window in zip(modules, saved, strict=True):
+            m.keep_window_size = window
 
 
 def _attended_heads(query: torch.Tensor, key: torch.Tensor, n_kv: int) -> torch.Tensor:

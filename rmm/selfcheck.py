@@ -180,6 +180,7 @@ def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[torch.Tensor,
         logp = torch.log_softmax(model(input_ids=probe[None], use_cache=False).logits[0].float(), -1)
     own_nll = -logp[:-1].gather(-1, probe[1:, None])[:, 0]  # [n - 1]
     step = max(1, -(-probe.numel() // PROBE_PASSES))
+    step = min(step, engine.plan.recording.pass_limit or step)
     alone = _stream(engine, probe[None], step)  # [1, n - 1]
     if engine.options.batch == 1:
         return (alone[0] - own_nll).abs(), step, None
@@ -260,7 +261,7 @@ def _queries_moved(
 
 def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[str, float]]:
     """Calibrate and check the engine's per-layer rotations against the model's own."""
-    n = min(probe.numel(), ROTATION_TOKENS)
+    n = min(probe.numel(), ROTATION_TOKENS, engine.plan.recording.pass_limit or ROTATION_TOKENS)
     plan = _unlimited(
         engine.plan.recording,
         n,

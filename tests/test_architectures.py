@@ -42,7 +42,7 @@ TYPES = causal_lm_types()
 SUPPORTED = (
     "llama", "mistral", "qwen2", "gpt_neox", "gemma3_text", "qwen3_next", "lfm2",
     "deepseek_v2", "deepseek_v3", "gemma4_text", "gemma4_unified", "jetmoe", "falcon", "minimax_m3_vl_text",
-    "mimo_v2_flash",
+    "mimo_v2_flash", "doge",
 )  # fmt: skip
 
 
@@ -80,8 +80,6 @@ def test_an_architecture_is_exact_or_refused(model_type):
 
 # attention the harness does not serve, and the reason it must give (before the first scored token)
 REFUSED = {
-    "doge": r"adds a learned bias per key \(from its values\) to each attention logit and, past 2048 keys, "
-    r"attends only the 2048 of largest bias",
     "diffllama": r"calls attention twice per layer and pass \(same queries and keys, other values\)",
     "gpt_neox_japanese": r"did not switch to the attention function 'rmm_bounded'",
     "xlnet": r"did not switch to the attention function 'rmm_bounded'",  # not bounded by its -1 positions
