@@ -123,7 +123,8 @@ def scratch_parts(
     slots = retained + chunk
     layers_heads = arch["num_hidden_layers"] * arch["num_key_value_heads"]
     mask = chunk * slots * BOOL * (1 if recording.rule is not None else layers_heads)
-    per_stream = mask * (2 if record or sinks else 1)
+    # the blocked mask, and the allowed one too where a position rule's is complemented (sinks, an observer)
+    per_stream = mask * (2 if sinks or (record and recording.rule is not None) else 1)
     if sinks:
         per_stream += chunk * slots * element
     if record:
@@ -149,7 +150,8 @@ def scratch_bytes(
 
     Q is the tokens per forward pass (``recording.chunk``). Per stream: masks [Q, S] shared by all layers
     and heads for position rules, [L, H, Q, S] for score-based policies; the blocked mask (its
-    complement) exists when attention is recorded or sinks re-rotated, and re-rotated sinks add an
+    complement) exists when attention is recorded or sinks re-rotated (a score-based policy that records
+    attention builds only the blocked one), and re-rotated sinks add an
     additive mask [Q, S] of ``element`` bytes (the model's dtype). Recording also keeps the chunk's
     attention [L, H, C, S] fp32. The attention runs one layer at a time for every stream at once, so
     the fp32 logits, masked logits and probabilities [N, n_heads, C, S] (three at once) of one layer exist

@@ -367,7 +367,7 @@ def _explicit_attention(
             None if key_bias is None else key_bias[part],
         )
         if kv_memory.record_attention:
-            kv_memory.store_attention(layer, probs.sum(dim=2), part)  # GQA group summed: [n, H, Q, S]
+            kv_memory.store_attention(layer, probs, part)  # kept GQA group summed: [n, H, Q, S]
         n = probs.shape[0]  # the group as rows again: values are never broadcast
         out = torch.matmul(probs.to(values.dtype).reshape(n, n_kv, group * n_q, -1), values[part])
         out = out.view(n, n_kv, group, n_q, values.shape[-1])  # [n, H, G, Q, Dv]

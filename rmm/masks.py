@@ -7,7 +7,8 @@ the layer's own window). Shapes (S = R + Q slots, G query heads per KV head):
 
 - ``allowed``: bool [L or 1, N, H or 1, Q, S] (one layer and head where a position rule gives every
   layer and head it applies to the same set); a padded query sees its own slot only;
-- ``blocked``: its complement, where the eager path or the sinks need it (None otherwise);
+- ``blocked``: its complement, where the eager path or the sinks need it (None otherwise); for a
+  score-based policy built directly, ``allowed`` then only if something asks for it;
 - ``other_bias``: additive [L or 1, N, H or 1, Q, S] in the model's dtype, 0 where a query may attend a
   non-sink slot, -inf on the sink slots and wherever ``allowed`` blocks (None without sinks);
 - ``layers``: a windowed layer's own (allowed, blocked, bias), [N, H or 1, Q, S] each;
@@ -30,12 +31,12 @@ LayerWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LayerMasks = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def causal(key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+def causal(key_pos: torch.Tensor, query_pos: torch.Tensor, hidden: bool = False) -> torch.Tensor:
     """bool [..., Q, S]: the valid keys ``key_pos`` [..., S] at or before each query ``query_pos``
-    [..., Q]."""
+    [..., Q] (``hidden``: the complement, the empty slots and the keys after each query)."""
     # an empty slot (-1) placed after every query: one comparison over [..., Q, S], not three
     keys = key_pos.masked_fill(key_pos < 0, torch.iinfo(key_pos.dtype).max)[..., None, :]
-    return keys <= query_pos[..., :, None]
+    return keys > query_pos[..., :, None] if hidden else keys <= query_pos[..., :, None]
 
 
 def visible_count(allowed: torch.Tensor) -> torch.Tensor:
@@ -67,7 +68,7 @@ class ChunkMasks:
         self.retained = 0
         self.query_pos = torch.empty(0, 0, dtype=torch.long)  # [N, Q]
         self.pad: torch.Tensor | None = None  # [N, Q] padded queries, None when every row is full
-        self.allowed = torch.empty(0, dtype=torch.bool)
+        self._allowed: torch.Tensor | None = torch.empty(0, dtype=torch.bool)
         self.blocked: torch.Tensor | None = None
         self.other_bias: torch.Tensor | None = None
         # the model's own window per layer (set by the attention function each pass; None: plain causal)
@@ -92,26 +93,40 @@ class ChunkMasks:
         self.folded.clear()
         self.retained = key_pos.shape[-1] - query_pos.shape[1]
         self.query_pos, self.pad = query_pos, pad
+        # [L, N, H]: entries held across the last boundary, each before every query of the pass
+        self.held = (key_pos[..., : self.retained] >= 0).sum(dim=-1, dtype=torch.int32)
         rows = query_pos[:, None, :]  # [N, 1, Q], against key positions [..., N, H, S]
+        self._allowed = self.blocked = None
         if self.rule is not None:
             # position rules give every layer and head they apply to the same set
             shared = key_pos[self.ruled : self.ruled + 1, :, :1]  # [1, N, 1, S]
-            allowed = causal(shared, rows) & self.rule(rows, shared)
+            self._allowed = self._padded(causal(shared, rows) & self.rule(rows, shared))
+        elif blocked:  # the complement alone, built directly (the allowed mask follows if asked for)
+            self.blocked = self._padded(causal(key_pos, rows, hidden=True), hidden=True)
         else:
-            allowed = causal(key_pos, rows)
-        self.allowed = self._padded(allowed)
-        self.blocked = ~self.allowed if blocked else None
+            self._allowed = self._padded(causal(key_pos, rows))
+        if blocked and self.blocked is None:
+            self.blocked = ~self._allowed
         self.other_bias = self._other_slots_bias(self.allowed) if sinks else None
 
-    def _padded(self, allowed: torch.Tensor) -> torch.Tensor:
+    @property
+    def allowed(self) -> torch.Tensor:
+        """bool [L or 1, N, H or 1, Q, S]: which slots each query may attend (the complement of
+        ``blocked`` where only that was built)."""
+        if self._allowed is None:
+            self._allowed = ~self.blocked
+        return self._allowed
+
+    def _padded(self, allowed: torch.Tensor, hidden: bool = False) -> torch.Tensor:
         """``allowed`` [..., N, H or 1, Q, S] with every padded query seeing its own slot only (so that
-        its softmax is defined; no real query sees a padded key, whose position is -1)."""
+        its softmax is defined; no real query sees a padded key, whose position is -1); ``hidden``: the
+        mask given and returned is the complement."""
         if self.pad is None:
             return allowed
         n_q, n_slots = allowed.shape[-2:]
         slot = torch.arange(n_slots, device=allowed.device)
         own = slot == self.retained + torch.arange(n_q, device=allowed.device)[:, None]  # [Q, S]
-        return torch.where(self.pad[:, None, :, None], own, allowed)
+        return torch.where(self.pad[:, None, :, None], ~own if hidden else own, allowed)
 
     def _other_slots_bias(self, allowed: torch.Tensor) -> torch.Tensor:
         """Additive mask in the model's dtype: 0 where ``allowed`` lets a query attend a non-sink slot,
@@ -128,17 +143,17 @@ class ChunkMasks:
         if visible is None:
             self.layers.pop(layer, None)
             return
-        shared = self.allowed.shape[0] == 1
+        shared = self.rule is not None  # a position rule: one set for every layer and head it applies to
         exempt = bool(self.exempt) and self.exempt[layer]
         if shared and (visible, exempt) in self.shared:
             self.layers[layer] = self.shared[visible, exempt]
             return
-        base = self.allowed[0 if shared else layer]  # [N, H or 1, Q, S]
-        row = layer if exempt or not shared else self.ruled  # the key positions ``base`` was built from
-        key_pos = key_pos[row, :, : base.shape[1], : base.shape[-1]]  # [N, H or 1, S]
+        row = layer if exempt or not shared else self.ruled  # the key positions its mask is built from
+        heads = 1 if shared else key_pos.shape[2]
+        key_pos = key_pos[row, :, :heads, : self.retained + self.query_pos.shape[1]]  # [N, H or 1, S]
         rows = self.query_pos[:, None, :]
-        if exempt:  # no position rule: the layer's own window decides
-            base = causal(key_pos, rows)
+        # [N, H or 1, Q, S]: the rule's set, or causal alone (no rule, or an exempt layer: its window decides)
+        base = self.allowed[0] if shared and not exempt else causal(key_pos, rows)
         allowed = self._padded(base & visible(rows, key_pos.clamp_min(0)))
         blocked = ~allowed if self.blocked is not None else None
         bias = self._other_slots_bias(allowed) if self.other_bias is not None else None
@@ -152,7 +167,7 @@ class ChunkMasks:
         if layer in self.layers:
             mask = self.layers[layer][which]
         else:
-            full = (self.allowed, self.blocked, self.other_bias)[which]
+            full = self.allowed if which == 0 else (self.blocked, self.other_bias)[which - 1]
             if full is None:
                 return None
             mask = full[0] if full.shape[0] == 1 else full[layer]
@@ -165,7 +180,7 @@ class ChunkMasks:
         mask = self.for_layer(layer, 2 if bias else 0)
         if group == 1:
             return mask
-        if layer in self.layers or self.allowed.shape[0] != 1:  # the layer's own: folded for it
+        if layer in self.layers or self.rule is None:  # the layer's own: folded for it
             return fold(mask, group)
         if bias not in self.folded:  # one mask for every layer: folded once per pass
             self.folded[bias] = fold(mask, group)
@@ -175,7 +190,11 @@ class ChunkMasks:
         """[N, Q]: past entries (itself excluded) each query may attend, averaged over the (layer, KV head)
         pairs that hold entries (``empty`` [L, 1, H, 1]: those that do not, or None); 0 for a padded
         query."""
-        counts = visible_count(self.allowed) - 1  # [L or 1, N, H or 1, Q]
+        if self.rule is None:  # causal but in windowed layers (below): the held entries, then the chunk's
+            step = torch.arange(self.query_pos.shape[1], device=self.held.device, dtype=torch.float32)
+            counts = self.held[..., None].float() + step  # [L, N, H, Q], as visible_count would find
+        else:
+            counts = visible_count(self.allowed) - 1  # [L or 1, N, H or 1, Q]
         if self.layers:
             counts = counts.expand(n_layers, -1, -1, -1).clone()
             for layer, (allowed, *_) in self.layers.items():

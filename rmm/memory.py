@@ -393,15 +393,16 @@ class SlotMemory:
         return self.rotations.sink_queries(query, layer)
 
     def store_attention(self, layer: int, probs: torch.Tensor, rows: slice = slice(None)) -> None:
-        """Attention probabilities [n, H_l, Q, R + Q] of the chunk's queries of ``rows`` over the layer's own
-        H_l KV heads, GQA group summed; a reading layer's add to its storing layer's (which ran before it
-        in the pass)."""
-        n_heads, n_q, n_slots = probs.shape[1:]
+        """Attention probabilities [n, H_l, G, Q, R + Q] of the chunk's queries of ``rows`` over the layer's
+        own H_l KV heads, kept GQA group summed (summed straight into the buffer); a reading layer's add to
+        its storing layer's (which ran before it in the pass)."""
+        n_heads, _, n_q, n_slots = probs.shape[1:]
         source = self.sources[layer]
+        held = self.attn[source, rows, :n_heads, :n_q, :n_slots]
         if source == layer:
-            self.attn[layer, rows, :n_heads, :n_q, :n_slots] = probs.detach()
+            torch.sum(probs.detach(), dim=2, out=held)
         else:
-            self.attn[source, rows, :n_heads, :n_q, :n_slots] += probs.detach()
+            held += probs.detach().sum(dim=2)
 
     def track_output(
         self, layer: int, probs: torch.Tensor, values: torch.Tensor, output: torch.Tensor

@@ -253,3 +253,37 @@ def test_compaction_moves_whole_slots(move_bytes, monkeypatch):
     expected = torch.gather(tensor, 3, index[..., None].expand(*index.shape, 4))
     slot_memory.move_slots(tensor, slot_memory.slot_rows(index, 9))
     assert torch.equal(tensor[..., :5, :], expected)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_attended_counts_without_the_allowed_mask_equal_counting_it(padded):
+    """A score-based pass counts each query's visible entries from the held ones (the allowed mask is not
+    built where only its complement is needed): the same as counting the mask, a windowed layer's too."""
+    from rmm.integration import Visibility
+    from rmm.masks import ChunkMasks, visible_count
+    from rmm.planning import recording_plan
+
+    n_layers, rows, heads, retained, n_q = 3, 2, 2, 6, 4
+    generator = torch.Generator().manual_seed(0)
+    held = torch.randint(0, retained + 1, (n_layers, rows, heads), generator=generator)
+    key_pos = torch.full((n_layers, rows, heads, retained + n_q), -1)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in held.shape)).tolist():
+        count = int(held[tuple(index)])
+        kept = torch.randperm(10, generator=generator)[:count].sort().values
+        key_pos[(*index, slice(0, count))] = kept
+    start = torch.tensor([10, 14])
+    query_pos = start[:, None] + torch.arange(n_q)
+    pad = torch.arange(n_q) >= torch.tensor([n_q, 2])[:, None] if padded else None
+    key_pos[..., retained:] = query_pos.masked_fill(pad, -1)[:, None] if padded else query_pos[:, None]
+    masks = ChunkMasks(
+        recording_plan(make_policy({"name": "h2o"}, 8, n_q), "original"), [heads] * 3, 0, torch.float32
+    )
+    masks.begin(key_pos, query_pos, pad, blocked=True, sinks=False)
+    masks.enter_layer(1, Visibility(None, 5), key_pos)
+    assert masks._allowed is None
+    allowed = [
+        masks.layers[layer][0] if layer in masks.layers else ~masks.blocked[layer] for layer in range(3)
+    ]
+    expected = (torch.stack([visible_count(a) for a in allowed]) - 1).mean(dim=(0, 2))  # [N, Q]
+    expected = expected.masked_fill(pad, 0) if padded else expected
+    assert torch.equal(masks.attended(n_layers, heads, None), expected)

@@ -126,10 +126,10 @@ def allocated(
     m = memory
     kv = nbytes(m.keys, m.values, m.key_pos, *m.state.values())
     mk = m.masks
-    persistent = nbytes(mk.allowed, mk.blocked, mk.other_bias, m.attn, m.utility, *mk.folded.values())
+    persistent = nbytes(mk._allowed, mk.blocked, mk.other_bias, m.attn, m.utility, *mk.folded.values())
     scratch = persistent
     if logits_shapes:  # fp32 logits, masked logits and probabilities [N, n_heads, Q, S]: one layer's of
-        rows, kv_heads, queries, slots = logits_shapes[0]  # every stream at a time, every layer's for a
+        rows, kv_heads, _, queries, slots = logits_shapes[0]  # every stream at a time, every layer's for a
         per_layer = 3 * rows * model.config.num_attention_heads * queries * slots * 4  # backward pass, where
         if plan.track_gradient:  # the graph also keeps each layer's attended keys and values [N, H, S, D]
             keys = memory.keys
