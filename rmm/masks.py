@@ -66,6 +66,7 @@ class ChunkMasks:
         self.rule, self.exempt, self.n_sink_slots = plan.rule, plan.exempt, plan.n_sink_slots
         self.layer_heads, self.ruled, self.dtype = list(layer_heads), ruled, dtype
         self.retained = 0
+        self.held = torch.empty(0, dtype=torch.int32)
         self.query_pos = torch.empty(0, 0, dtype=torch.long)  # [N, Q]
         self.pad: torch.Tensor | None = None  # [N, Q] padded queries, None when every row is full
         self._allowed: torch.Tensor | None = torch.empty(0, dtype=torch.bool)
@@ -93,8 +94,10 @@ class ChunkMasks:
         self.folded.clear()
         self.retained = key_pos.shape[-1] - query_pos.shape[1]
         self.query_pos, self.pad = query_pos, pad
-        # [L, N, H]: entries held across the last boundary, each before every query of the pass
-        self.held = (key_pos[..., : self.retained] >= 0).sum(dim=-1, dtype=torch.int32)
+        # [L, N, H]: entries held across the last boundary, each before every query of the pass (what a
+        # score-based pass counts its queries' attended entries from)
+        if self.rule is None:
+            self.held = (key_pos[..., : self.retained] >= 0).sum(dim=-1, dtype=torch.int32)
         rows = query_pos[:, None, :]  # [N, 1, Q], against key positions [..., N, H, S]
         self._allowed = self.blocked = None
         if self.rule is not None:
