@@ -12,7 +12,8 @@ positions. Nothing model-specific is copied.
 Attention features the bounded attention reproduces: causal softmax attention with the model's own
 ``scaling``, multi-head and grouped-query heads (also handed as copies one after the other: JetMoE),
 sliding and chunked windows per layer type, attention logit soft-capping, learned attention sinks
-(``s_aux``), and RoPE of any per-layer kind that :mod:`rmm.rotary` knows (checked against the model by
+(``s_aux``), a learned bias per key with its keep window (Doge: :func:`key_bias_window`), and RoPE of any
+per-layer kind that :mod:`rmm.rotary` knows (checked against the model by
 :mod:`rmm.selfcheck`). Anything else is refused with :class:`~rmm.errors.UnsupportedModelError` before
 any token is scored: :func:`check_model` (the config), :func:`install` (the model must switch to the
 attention function), the call check in :func:`bounded_attention` (unknown keywords, masks not built

@@ -14,7 +14,8 @@ stream length. R is the slots that hold the retained entries; ``capacity`` elsew
 
 Three pieces, one concern each: the slot storage here (:class:`SlotMemory`: keys and values
 [L, N, H, R + C, D], key positions and the policy's statistics [L, N, H, R + C], attention
-[L, N, H, C, R + C], queries [L, N, H, G, C, D]; rows, growth, compaction), the pass's attention masks
+[L, N, H, C, R + C], queries [L, N, H, G, C, D], a model's bias per key [L, N, H, R + C] where it adds
+one; rows, growth, compaction), the pass's attention masks
 (:class:`~rmm.masks.ChunkMasks`) and its rotation tables (:class:`~rmm.chunk_rotations.ChunkRotations`),
 both rebuilt at every :meth:`SlotMemory.begin_chunk`, each with its shapes in its own docstring.
 
