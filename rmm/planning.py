@@ -138,14 +138,8 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
     recording = recording_plan(policy, positions, allocation, facts.shape[:2])
     if options.layers == "global" and policy.budget is not None:
         recording = recording.exempting(facts.windows)
-    window = integration.key_bias_window(facts.config)
+    window = check_keep_window(facts.config, facts.name, policy)
     if window is not None:  # the model would select keys within a longer pass by itself
-        if policy.chunk > window:
-            raise ValueError(
-                f"{facts.name} lets each query attend only the {window} keys of largest bias (its keep "
-                f"window), and a chunk of {policy.chunk} tokens would have it select keys within the chunk "
-                f"itself; use chunk <= {window}"
-            )
         recording = replace(recording, pass_limit=window)
     check_carried(facts.name, facts.carried, recording, scope)
     check_latent(facts.config, facts.name, policy, scope)
@@ -234,6 +228,20 @@ def layer_entries(
         else (w if exempt and exempt[layer] else min(budget, w))
         for layer, w in enumerate(windows)
     ]
+
+
+def check_keep_window(config: PretrainedConfig, name: str, policy: Policy) -> int | None:
+    """The keep window W of a model with a bias per key (:func:`rmm.integration.key_bias_window`), after
+    refusing a chunk longer than W (the model would select keys within the chunk itself); None for any
+    other model."""
+    window = integration.key_bias_window(config)
+    if window is not None and policy.chunk > window:
+        raise ValueError(
+            f"{name} lets each query attend only the {window} keys of largest bias (its keep window), and a "
+            f"chunk of {policy.chunk} tokens would have it select keys within the chunk itself; use chunk <= "
+            f"{window}"
+        )
+    return window
 
 
 def check_carried(name: str, carried: list[int], plan: RecordingPlan, scope: str) -> None:

@@ -29,7 +29,7 @@ from rmm.models import (
     resolve_dtype,
 )
 from rmm.options import StreamOptions
-from rmm.planning import check_latent, check_layer_shapes, check_shared
+from rmm.planning import check_keep_window, check_latent, check_layer_shapes, check_shared
 from rmm.policies import Policy, ScorePolicy
 from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
@@ -167,6 +167,7 @@ def build(
         check_latent(config, name, policy, cfg.scope)
         check_layer_shapes(name, policy, cfg.allocation, layer_shapes(config))
         check_shared(name, kv_sources(config), policy, cfg.scope, cfg.allocation)
+        check_keep_window(config, name, policy)
     model, tokenizer = load_model(cfg.model, device, dtype)
     docs, data_stats = load_documents(dataset, tokenizer)
     if not docs:

@@ -117,6 +117,26 @@ def test_a_chunk_beyond_the_keep_window_is_refused_before_the_model_runs(model):
         evaluate(model, token_ids=[distinct_stream(40, seed=0)], policy="h2o", budget=24, chunk=16)
 
 
+def test_a_saved_model_with_a_short_keep_window_is_refused_before_its_weights_load(
+    model, tmp_path, monkeypatch
+):
+    """``run.py`` reads a local model's config.json first: a chunk beyond the keep window is refused there."""
+    from hydra import compose, initialize_config_dir
+
+    from rmm import runner
+    from rmm.files import config_dir
+
+    model.config.save_pretrained(tmp_path)  # config.json only: no weights to load
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    overrides = ["model=local", f"model.path={tmp_path}", "policy=h2o", "chunk=16", "budget=64", "device=cpu"]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "wandb.mode=disabled"])
+    with pytest.raises(
+        ValueError, match=r"\(doge\) lets each query attend only the 12 keys .* use chunk <= 12"
+    ):
+        runner.build(cfg)
+
+
 def test_a_windowed_mask_under_the_bias_is_refused():
     with pytest.raises(UnsupportedModelError, match=r"bias per key onto a sliding-window mask"):
         evaluate(doge(sliding_window=8), token_ids=[distinct_stream(40, seed=0)], policy="full")
