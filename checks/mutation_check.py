@@ -78,7 +78,7 @@ MUTANTS = [
     ),
     Mutant(
         "rank_rotation",
-        "rmm/chunk_rotations.py",
+        "rmm/rotary.py",
         "lag[..., None] + torch.arange(retained_pos.shape[-1], device=query_pos.device)",
         "lag[..., None] + torch.arange(1, retained_pos.shape[-1] + 1, device=query_pos.device)",
         "positions=cache, score-based: retained keys rotated to rank + 1",

@@ -16,7 +16,7 @@ Three pieces, one concern each: the slot storage here (:class:`SlotMemory`: keys
 [L, N, H, R + C, D], key positions and the policy's statistics [L, N, H, R + C], attention
 [L, N, H, C, R + C], queries [L, N, H, G, C, D], a model's bias per key [L, N, H, R + C] where it adds
 one; rows, growth, compaction), the pass's attention masks
-(:class:`~rmm.masks.ChunkMasks`) and its rotation tables (:class:`~rmm.chunk_rotations.ChunkRotations`),
+(:class:`~rmm.masks.ChunkMasks`) and its rotation tables (:class:`~rmm.rotary.ChunkRotations`),
 both rebuilt at every :meth:`SlotMemory.begin_chunk`, each with its shapes in its own docstring.
 
 How a slot holds its key is one of three cases (:class:`KeyStorage`, chosen from the plan), plus two
@@ -58,10 +58,9 @@ from typing import Protocol
 
 import torch
 
-from rmm.chunk_rotations import ChunkRotations, KeyStorage
 from rmm.masks import ChunkMasks, LayerWindow
 from rmm.recording import RecordingPlan
-from rmm.rotary import Rotary
+from rmm.rotary import ChunkRotations, KeyStorage, Rotary
 
 
 class RowState(Protocol):
