@@ -43,7 +43,7 @@ from rmm.api import evaluate
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.files import atomic_write_text
-from rmm.models import latent_attention
+from rmm.model_config import latent_attention
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 

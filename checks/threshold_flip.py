@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from checks.verify_results import recompose
+from rmm.config import check_run
 from rmm.divergence import NLL_BOUND
 from rmm.future import FutureRequests
 from rmm.runner import build
@@ -77,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = OmegaConf.create(recompose(read_config(args.run_dir)))
     cfg.batch = 1  # the document streamed alone
-    setup = build(cfg)
+    setup = build(cfg, check_run(cfg))
     doc = next(d for d in setup.docs if d.doc_id == args.doc)
     stored = read_tokens(args.run_dir)
     committed = stored[stored.doc_id == args.doc].sort_values("position")["nll"].to_numpy(np.float64)[1:]

@@ -57,10 +57,9 @@ def _positive_int(value: Any, key: str, nullable: bool = False) -> None:
         raise ValueError(f"{key} must be an integer >= 1{' or null' if nullable else ''}, got {value!r}")
 
 
-def check_config(cfg: Mapping[str, Any]) -> None:
+def check_config(cfg: Mapping[str, Any]) -> StreamOptions:
     """Validate the options of a composed run config that need no heavy import; raises ValueError naming
-    the key and the fix."""
-    StreamOptions.from_config(cfg)  # positions, scope, allocation, layers, batch
+    the key and the fix. Returns its stream options."""
     _positive_int(cfg["budget"], "budget", nullable=True)
     _positive_int(cfg["chunk"], "chunk")
     if cfg["budget"] is not None and cfg["chunk"] > cfg["budget"]:
@@ -77,6 +76,7 @@ def check_config(cfg: Mapping[str, Any]) -> None:
     _positive_int(oracle["context"], "oracle.context", nullable=True)
     check_device(str(cfg["device"]))
     check_wandb(cfg["wandb"])
+    return StreamOptions.from_config(cfg)  # positions, scope, allocation, layers, batch
 
 
 def check_device(name: str) -> None:
@@ -120,26 +120,27 @@ def _wandb_key() -> bool:
 
 @dataclass(frozen=True)
 class CheckedRun:
-    """What :func:`check_run` resolved, for the run to build with: the dataset's options and the policy."""
+    """What :func:`check_run` resolved, for the run to build with: the dataset's options, the policy and
+    the stream options."""
 
     dataset: DatasetConfig
     policy: Policy
+    options: StreamOptions
 
 
 def check_run(cfg: Mapping[str, Any]) -> CheckedRun:
     """:func:`check_config`, then the policy's parameters and the dataset's options (imports torch and the
     policy and dataset code, not transformers, and loads no model); returns what it resolved."""
-    check_config(cfg)
+    options = check_config(cfg)
     from rmm.data import check_dataset
     from rmm.policies import make_policy
     from rmm.policies.select import check_allocation, check_positions
 
     dataset = check_dataset(cfg["dataset"])
     policy = make_policy(cfg["policy"], budget=cfg["budget"], chunk=cfg["chunk"])
-    allocation = cfg.get("allocation", "uniform")
-    check_allocation(allocation, cfg["scope"], cfg["positions"], policy)
-    check_positions(policy, cfg["positions"])
-    return CheckedRun(dataset, policy)
+    check_allocation(options.allocation, options.scope, options.positions, policy)
+    check_positions(policy, options.positions)
+    return CheckedRun(dataset, policy, options)
 
 
 register_resolvers()

@@ -168,13 +168,14 @@ def check_dataset(cfg: Mapping[str, Any] | DatasetConfig) -> DatasetConfig:
     dataset = _options(cfg)
     _check_paths(dataset, "dataset")
     if dataset.source == "reuse":
-        spec = ReuseSpec.from_config(cfg)
         filler = _filler_options(cfg.get("filler"), dataset.n_docs)
         if filler.source == "reuse":
             raise ValueError("dataset.filler cannot itself be reuse: use a text source, e.g. shakespeare")
         _check_paths(filler, "dataset.filler")
-        if dataset.max_tokens is not None and spec.min_length() > dataset.max_tokens:
-            raise ValueError(_too_long(spec.min_length(), dataset.max_tokens, "at least "))
+        spec = ReuseSpec.from_config(cfg)
+        length = spec.min_length()
+        if dataset.max_tokens is not None and length > dataset.max_tokens:
+            raise ValueError(_too_long(length, dataset.max_tokens, "at least "))
         dataset = replace(dataset, reuse=spec, filler=filler)
     return dataset
 

@@ -46,6 +46,7 @@ from transformers.cache_utils import (
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from rmm.errors import UnsupportedModelError
+from rmm.model_config import key_bias_window
 
 if TYPE_CHECKING:
     from rmm.memory import SlotMemory
@@ -163,14 +164,6 @@ def model_mask(
             "chunk only, so it supports such a model with plain causal masks alone"
         )
     return None
-
-
-def key_bias_window(config: PretrainedConfig) -> int | None:
-    """The keep window W of a model that adds a learned bias per key and KV head, computed from that
-    token's values, to every attention logit, and lets each query attend only the W keys of largest bias
-    that it sees (Doge's dynamic mask, ``keep_window_size``); None for any other model."""
-    window = getattr(config, "keep_window_size", None)
-    return int(window) if window else None
 
 
 def bounded_attention(

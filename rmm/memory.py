@@ -173,7 +173,7 @@ class SlotMemory:
         self.state = {name: torch.zeros(self.key_pos.shape, device=device) for name in self.plan.state_names}
         self.attn: torch.Tensor | None = None
         self.utility: torch.Tensor | None = None
-        # a model's bias per key (:func:`rmm.integration.key_bias_window`), [L, N, H, R + C], allocated at
+        # a model's bias per key (:func:`rmm.model_config.key_bias_window`), [L, N, H, R + C], allocated at
         # its first store, and its keep window
         self.key_bias: torch.Tensor | None = None
         self.keep_window = 0
@@ -338,7 +338,7 @@ class SlotMemory:
 
     def store_key_bias(self, layer: int, bias: torch.Tensor, window: int) -> None:
         """The chunk's bias per key [N, H_l, Q] that the model adds to every logit of the layer's keys, and
-        its keep window (:func:`rmm.integration.key_bias_window`); kept with the entries like their keys."""
+        its keep window (:func:`rmm.model_config.key_bias_window`); kept with the entries like their keys."""
         if self.key_bias is None:
             wide = torch.promote_types(bias.dtype, torch.float32)
             self.key_bias = torch.zeros(self.key_pos.shape, dtype=wide, device=self.device)

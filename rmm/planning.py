@@ -14,7 +14,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from rmm import integration
 from rmm.errors import UnsupportedModelError
-from rmm.models import describe_model, kv_sources, latent_attention, layer_shapes
+from rmm.model_config import ConfigFacts, config_facts
+from rmm.models import describe_model
 from rmm.options import StreamOptions
 from rmm.policies import Policy, PositionRule, ScorePolicy
 from rmm.policies.select import adaptive_floor, capacities, check_allocation, check_positions, retained_slots
@@ -26,30 +27,44 @@ from rmm.rotary import Rotary
 class ModelFacts:
     """What the engine reads of ``model`` once.
 
-    name : how errors name it; config : its text config; dims : :func:`rmm.models.describe_model`;
+    stated : what its text config states (:class:`~rmm.model_config.ConfigFacts`, with the per-layer
+    shapes read from its modules where the config states none); dims : :func:`rmm.models.describe_model`;
     windows : per layer, the past entries its own window shows (None: all); attending : per layer,
-    whether it attends; carried : layers with recurrent or convolutional state; sources : per layer, the
-    layer whose keys and values it attends (itself, or under KV sharing the one that stores them);
-    layer_shapes : per layer
-    (KV heads, key and value head dimensions) where layers differ (None: one shape); rotary : its
+    whether it attends; carried : layers with recurrent or convolutional state; rotary : its
     rotations (calibrated in place by the self-check); max_positions : the positions a stream may reach
     (a rotary table's rows, or learned absolute positions; None: unbounded); device, dtype : its
     parameters'.
     """
 
     model: PreTrainedModel
-    name: str
-    config: PretrainedConfig
+    stated: ConfigFacts
     dims: dict[str, Any]
     windows: list[int | None]
     attending: list[bool]
     carried: list[int]
-    sources: list[int]
-    layer_shapes: list[tuple[int, int, int]] | None
     rotary: Rotary
     max_positions: int | None
     device: torch.device
     dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return self.stated.name
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.stated.config
+
+    @property
+    def sources(self) -> list[int]:
+        """Per layer, the layer whose keys and values it attends (itself, or under KV sharing the one that
+        stores them)."""
+        return self.stated.sources
+
+    @property
+    def layer_shapes(self) -> list[tuple[int, int, int]] | None:
+        """Per layer (KV heads, key and value head dimensions) where layers differ (None: one shape)."""
+        return self.stated.layer_shapes
 
     @property
     def holds(self) -> list[bool]:
@@ -67,28 +82,28 @@ def model_facts(model: PreTrainedModel) -> ModelFacts:
     """Read ``model`` once (:class:`ModelFacts`), after refusing a model whose config says the bounded
     attention cannot reproduce it (:func:`rmm.integration.check_model`)."""
     dims = describe_model(model)  # one number of layers, heads and head dimension, or refused
-    integration.check_model(model)
     config = model.config.get_text_config()
-    shapes = layer_shapes(config)
-    if shapes is None and not latent_attention(config):  # shapes the config does not state (MiMo-V2-Flash)
+    facts = config_facts(config, f"{type(model).__name__} ({config.model_type})")
+    integration.check_model(model)
+    shapes = None
+    if facts.layer_shapes is None and not facts.latent:  # shapes the config does not state (MiMo-V2-Flash)
         stated = (dims["n_kv_heads"], dims["head_dim"], dims["value_head_dim"])
         shapes = integration.module_shapes(model, stated)
-        if shapes is not None:
-            widest = (max(shape[i] for shape in shapes) for i in range(3))
-            dims = dims | dict(zip(("n_kv_heads", "head_dim", "value_head_dim"), widest, strict=True))
     attends = set(integration.attention_layers(model))
+    windows, carried = integration.layer_windows(model), integration.carried_layers(model)
     device = next(model.parameters()).device
     rotary = Rotary(model).to(device)
+    if shapes is not None:
+        widest = (max(shape[i] for shape in shapes) for i in range(3))
+        dims = dims | dict(zip(("n_kv_heads", "head_dim", "value_head_dim"), widest, strict=True))
+        facts = replace(facts, layer_shapes=shapes)
     return ModelFacts(
         model=model,
-        name=integration.name_of(model),
-        config=config,
+        stated=facts,
         dims=dims,
-        windows=integration.layer_windows(model),
+        windows=windows,
         attending=[layer in attends for layer in range(config.num_hidden_layers)],
-        carried=integration.carried_layers(model),
-        sources=kv_sources(config),
-        layer_shapes=shapes,
+        carried=carried,
         rotary=rotary,
         max_positions=rotary.max_positions if rotary.candidates else dims["max_position_embeddings"],
         device=device,
@@ -138,13 +153,10 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
     recording = recording_plan(policy, positions, allocation, facts.shape[:2])
     if options.layers == "global" and policy.budget is not None:
         recording = recording.exempting(facts.windows)
-    window = check_keep_window(facts.config, facts.name, policy)
-    if window is not None:  # the model would select keys within a longer pass by itself
-        recording = replace(recording, pass_limit=window)
+    check_stated(facts.stated, policy, options)
+    if facts.stated.keep_window is not None:  # the model would select keys within a longer pass by itself
+        recording = replace(recording, pass_limit=facts.stated.keep_window)
     check_carried(facts.name, facts.carried, recording, scope)
-    check_latent(facts.config, facts.name, policy, scope)
-    check_layer_shapes(facts.name, policy, allocation, facts.layer_shapes)
-    check_shared(facts.name, facts.sources, policy, scope, allocation)
     if not facts.rotary.candidates and recording.moves_positions:
         raise UnsupportedModelError(
             f"{facts.name} has no rotary position embedding (no `inv_freq` buffer, nor a sin/cos table in a "
@@ -230,18 +242,24 @@ def layer_entries(
     ]
 
 
-def check_keep_window(config: PretrainedConfig, name: str, policy: Policy) -> int | None:
-    """The keep window W of a model with a bias per key (:func:`rmm.integration.key_bias_window`), after
-    refusing a chunk longer than W (the model would select keys within the chunk itself); None for any
-    other model."""
-    window = integration.key_bias_window(config)
+def check_stated(facts: ConfigFacts, policy: Policy, options: StreamOptions) -> None:
+    """Refuse what ``policy`` under ``options`` cannot honour on a model by what its config states
+    (``facts``): the runner runs this before the weights load, :func:`plan_stream` again on the model's."""
+    check_keep_window(facts.keep_window, facts.name, policy)
+    check_latent(facts.latent, facts.name, policy, options.scope)
+    check_layer_shapes(facts.name, policy, options.allocation, facts.layer_shapes)
+    check_shared(facts.name, facts.sources, policy, options.scope, options.allocation)
+
+
+def check_keep_window(window: int | None, name: str, policy: Policy) -> None:
+    """Refuse a chunk longer than the keep window W of a model with a bias per key (``window``:
+    :func:`rmm.model_config.key_bias_window`): the model would select keys within the chunk itself."""
     if window is not None and policy.chunk > window:
         raise ValueError(
             f"{name} lets each query attend only the {window} keys of largest bias (its keep window), and a "
             f"chunk of {policy.chunk} tokens would have it select keys within the chunk itself; use chunk <= "
             f"{window}"
         )
-    return window
 
 
 def check_carried(name: str, carried: list[int], plan: RecordingPlan, scope: str) -> None:
@@ -266,14 +284,14 @@ def check_carried(name: str, carried: list[int], plan: RecordingPlan, scope: str
 PER_HEAD_ENTRIES = frozenset({"keys", "values", "output_projection"})
 
 
-def check_latent(config: PretrainedConfig, name: str, policy: Policy, scope: str) -> None:
+def check_latent(latent: bool, name: str, policy: Policy, scope: str) -> None:
     """Refuse what a score-based policy cannot honour under multi-head latent attention (a model ``name``
-    of text config ``config``), whose own cache keeps one latent per token and layer that every head
+    whose config says so: ``latent``), whose own cache keeps one latent per token and layer that every head
     expands into its own key and value: sets per head (``scope=head``: the latents kept would be the union
     of the heads' sets, so the budget would bound nothing the model stores), and policies that read the
     expanded per-head keys or values (the model never stores them, and the reference, which holds the
     latents, has no rule for them). Needs the config only: the runner calls it before the weights load."""
-    if not isinstance(policy, ScorePolicy) or not latent_attention(config):
+    if not isinstance(policy, ScorePolicy) or not latent:
         return
     if scope == "head":
         raise UnsupportedModelError(
@@ -298,7 +316,7 @@ def check_layer_shapes(
     name: str, policy: Policy, allocation: str, shapes: list[tuple[int, int, int]] | None
 ) -> None:
     """Refuse what a score-based policy cannot honour on a model ``name`` whose layers differ in shape
-    (``shapes``: per layer (KV heads, key and value head dimensions), :func:`~rmm.models.layer_shapes`
+    (``shapes``: per layer (KV heads, key and value head dimensions), :func:`~rmm.model_config.layer_shapes`
     where the config states them, which the runner checks before the weights load; the model's facts,
     which may read them from its modules). The memory holds every layer at the widest layer's KV heads
     and head dimension, zero-padded, so policies that read keys, values, queries, W_o or gradients (no
@@ -328,7 +346,7 @@ SHARED_UNREAD = frozenset({"queries", "output_projection", "gradient"})
 
 def check_shared(name: str, sources: list[int], policy: Policy, scope: str, allocation: str) -> None:
     """Refuse what a score-based policy cannot honour under KV sharing (``sources``: per layer, the layer
-    whose keys and values it attends, :func:`~rmm.models.kv_sources`). The memory stores a shared entry
+    whose keys and values it attends, :func:`~rmm.model_config.kv_sources`). The memory stores a shared entry
     once, in the layer that stores it, and evicts it once, by that layer's statistics, into which every
     layer that reads it adds its attention; a reading layer holds nothing. So one set across all layers
     (``scope=global``) and a non-uniform allocation (which give reading layers room) are refused, and so

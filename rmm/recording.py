@@ -47,7 +47,7 @@ class RecordingPlan:
     exempt : per layer, whether the policy leaves it alone (``layers=global``: a windowed layer keeps
         whatever its own window shows); empty when the policy applies to every layer.
     pass_limit : the most tokens one pass may take (a model that selects keys by a bias per key within
-        its keep window: :func:`rmm.integration.key_bias_window`); None: no limit.
+        its keep window: :func:`rmm.model_config.key_bias_window`); None: no limit.
     """
 
     rule: AllowedFn | None

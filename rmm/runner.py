@@ -19,17 +19,9 @@ from rmm.data import DatasetStats, Document, load_documents
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
 from rmm.metrics import RunTotals
-from rmm.models import (
-    check_attention_heads,
-    kv_sources,
-    layer_shapes,
-    load_model,
-    peek_config,
-    resolve_device,
-    resolve_dtype,
-)
-from rmm.options import StreamOptions
-from rmm.planning import check_keep_window, check_latent, check_layer_shapes, check_shared
+from rmm.model_config import config_facts
+from rmm.models import load_model, peek_config, resolve_device, resolve_dtype
+from rmm.planning import check_stated
 from rmm.policies import Policy, ScorePolicy
 from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
 from rmm.tracking import Tracker, position_perplexity
@@ -66,12 +58,13 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None)
         checked = check_run(cfg)  # as run.py does: a call from Python fails as early
     if OmegaConf.select(cfg, "provenance.require_clean", default=False):
         code.require_clean()  # a registered study's run: refused from a dirty tree, before the model loads
-    device = resolve_device(cfg.device)
-    environment = {**code.metrics(), **provenance.runtime_info(device)}
+    setup = build(cfg, checked)
+    facts = setup.engine.facts
+    environment = {**code.metrics(), **provenance.runtime_info(facts.device)}
     reusing = cfg.get("reuse", True) and sharing.known_code(environment)
-    identity = sharing.reference_identity(config, device, resolve_dtype(cfg.dtype, device), environment)
-    cache = sharing.ReferenceCache(run_dir.parent / sharing.CACHE_DIR, identity) if reusing else None
-    setup = build(cfg, cache, checked)
+    if reusing and setup.reference is not None:  # its passes read from and written beside the run
+        identity = sharing.reference_identity(config, facts.device, facts.dtype, environment)
+        setup.reference.cache = sharing.ReferenceCache(run_dir.parent / sharing.CACHE_DIR, identity)
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
         reused = _reused(cfg, run_dir, config, environment, setup) if reusing else None
         if reused is not None:
@@ -149,25 +142,17 @@ def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
     return read_metrics(run_dir)
 
 
-def build(
-    cfg: DictConfig, reference_cache: sharing.ReferenceCache | None = None, checked: CheckedRun | None = None
-) -> RunSetup:
-    """Policy, engine over the loaded model, documents and (when needed) the reference pass (its passes
-    read from and written to ``reference_cache`` when given); ``checked``: what :func:`check_run` resolved
-    (run here when not given)."""
-    checked = checked or check_run(cfg)
-    dataset, policy = checked.dataset, checked.policy  # resolved once: loading reads this, not the node
+def build(cfg: DictConfig, checked: CheckedRun) -> RunSetup:
+    """Policy, engine over the loaded model, documents and (when needed) the reference pass, from ``cfg``
+    and what :func:`check_run` resolved of it (``checked``). What the model's config.json alone refuses
+    fails before its weights load."""
+    dataset, policy, options = checked.dataset, checked.policy, checked.options
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    torch.manual_seed(cfg.seed)
-    config = peek_config(cfg.model)  # what its config.json alone refuses, before the weights load
+    config = peek_config(cfg.model)
     if config is not None:
-        name = f"{cfg.model.name} ({config.model_type})"
-        check_attention_heads(config, name)
-        check_latent(config, name, policy, cfg.scope)
-        check_layer_shapes(name, policy, cfg.allocation, layer_shapes(config))
-        check_shared(name, kv_sources(config), policy, cfg.scope, cfg.allocation)
-        check_keep_window(config, name, policy)
+        check_stated(config_facts(config, f"{cfg.model.name} ({config.model_type})"), policy, options)
+    torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(cfg.model, device, dtype)
     docs, data_stats = load_documents(dataset, tokenizer)
     if not docs:
@@ -175,12 +160,12 @@ def build(
             f"dataset {cfg.dataset.name!r} gave no document with at least "
             f"{dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short)"
         )
-    engine = StreamingEngine(model, policy, StreamOptions.from_config(cfg))
+    engine = StreamingEngine(model, policy, options)
     longest = max(d.tokens.numel() for d in docs)
     reference = None
     if policy.needs_reference or _estimating(cfg, policy):
         context = configured_reference_context(cfg, engine.facts.dims["max_position_embeddings"], longest)
-        reference = ReferenceRunner(model, cfg.oracle.tau, context, reference_cache)
+        reference = ReferenceRunner(model, cfg.oracle.tau, context)
     return RunSetup(policy, engine, docs, data_stats, reference)
 
 

@@ -12,7 +12,7 @@ A probe, the first tokens of the longest stream to come, goes through these chec
    naming an earlier layer whose queries change with their absolute position where there is one. Under
    ``positions=cache`` it runs for position rules too, queries included: they keep original distances,
    which holds only where a shift of every position changes keys and queries by their rotation alone.
-2. **Attention calls**: every attention layer (:func:`rmm.integration.attention_layers`) called the
+2. **Attention calls**: every attention layer (``ModelFacts.attending``) called the
    bounded attention exactly once per pass, and no other layer did. A model that bypasses the
    registered attention, or calls it twice in a layer, is refused.
 3. **Per-token NLL**: the probe streamed in :data:`PROBE_PASSES` passes with an unlimited budget, in
@@ -64,14 +64,29 @@ PER_TOKEN = (torch.float32, torch.float64)  # dtypes checked per token; the othe
 ROTATION_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
+class CheckedFacts(Protocol):
+    """What the self-check reads of the engine's model facts (:class:`rmm.planning.ModelFacts`)."""
+
+    name: str
+    windows: list[int | None]
+    attending: list[bool]
+    rotary: Rotary
+    device: torch.device
+    dtype: torch.dtype
+
+
+class CheckedPlan(Protocol):
+    """What the self-check reads of the engine's plan (:class:`rmm.planning.StreamPlan`)."""
+
+    recording: RecordingPlan
+
+
 class Checkable(Protocol):
     """What the self-check uses of :class:`rmm.engine.StreamingEngine`."""
 
     model: PreTrainedModel
-    plan: RecordingPlan
-    rotary: Rotary
-    dtype: torch.dtype
-    device: torch.device
+    facts: CheckedFacts
+    plan: CheckedPlan
     options: StreamOptions
 
     def new_memory(self, n_tokens: int, plan: RecordingPlan, rows: int = 1) -> SlotMemory: ...
@@ -100,18 +115,17 @@ class SelfCheck:
 
 def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     """Run the checks for ``engine`` with a probe from ``tokens`` [n]; refuse on any mismatch."""
-    model = engine.model
+    name = engine.facts.name
     start = time.perf_counter()
     try:
         probe = tokens[: probe_length(engine, tokens.numel())].to(engine.facts.device)
         rotations = _check_rotation(engine, probe) if _renumbers(engine) else {}
         difference, step, in_batch = _check_stream(engine, probe)
     except UnsupportedModelError as err:
-        raise UnsupportedModelError(f"{integration.name_of(model)} failed the self-check: {err}") from err
+        raise UnsupportedModelError(f"{name} failed the self-check: {err}") from err
     except Exception as err:  # anything the probe trips over is a refusal, never a crash mid-run
         raise UnsupportedModelError(
-            f"{integration.name_of(model)} failed the self-check: streaming the probe raised "
-            f"{type(err).__name__}: {err}"
+            f"{name} failed the self-check: streaming the probe raised {type(err).__name__}: {err}"
         ) from err
     tolerance = TOLERANCE.get(engine.facts.dtype, 1e-4)
     per_token = engine.facts.dtype in PER_TOKEN
@@ -119,7 +133,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     measured, what = (max_dnll, "per-token NLL") if per_token else (max(pass_means), "a pass's mean NLL")
     if not measured <= tolerance:
         raise UnsupportedModelError(
-            f"{integration.name_of(model)} failed the self-check: the probe streamed with an unlimited "
+            f"{name} failed the self-check: the probe streamed with an unlimited "
             f"budget gives {what} up to {measured:.3g} nats from the model's own forward pass (tolerance "
             f"{tolerance:g}), so the bounded attention does not reproduce this model's attention"
         )
@@ -129,7 +143,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
         batch_dnll = batch_max if per_token else max(batch_means)
         if not batch_dnll <= tolerance:
             raise UnsupportedModelError(
-                f"{integration.name_of(model)} failed the self-check: the probe streamed beside its reverse "
+                f"{name} failed the self-check: the probe streamed beside its reverse "
                 f"in one batch gives {what} up to {batch_dnll:.3g} nats from the probe streamed alone "
                 f"(tolerance {tolerance:g}): the model's batch rows interact; run it with batch=1"
             )
@@ -154,7 +168,7 @@ def _statistics(difference: torch.Tensor, step: int) -> tuple[float, list[float]
 def probe_length(engine: Checkable, n_tokens: int) -> int:
     """Tokens in the probe: :data:`PROBE_TOKENS`, or one more pass beyond the longest window that a
     stream of ``n_tokens`` outgrows; never more than the stream."""
-    windows = [w for w in integration.layer_windows(engine.model) if w is not None and w < n_tokens]
+    windows = [w for w in engine.facts.windows if w is not None and w < n_tokens]
     length = max([PROBE_TOKENS] + [w + max(w // PROBE_PASSES, 8) for w in windows])
     return min(n_tokens, length)
 
@@ -214,7 +228,7 @@ def _stream(engine: Checkable, rows: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def _check_calls(engine: Checkable, calls: list[int], passes: int) -> None:
-    expected = set(integration.attention_layers(engine.model))
+    expected = {layer for layer, attends in enumerate(engine.facts.attending) if attends}
     wrong = {
         layer: count for layer, count in enumerate(calls) if count != (passes if layer in expected else 0)
     }

@@ -32,7 +32,7 @@ from checks.architectures import (
 from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
-from rmm.models import check_attention_heads
+from rmm.model_config import check_attention_heads
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 from rmm.rotary import Rotary, table_frequencies

@@ -134,7 +134,7 @@ def test_a_saved_model_with_a_short_keep_window_is_refused_before_its_weights_lo
     with pytest.raises(
         ValueError, match=r"\(doge\) lets each query attend only the 12 keys .* use chunk <= 12"
     ):
-        runner.build(cfg)
+        runner.build(cfg, runner.check_run(cfg))
 
 
 def test_a_windowed_mask_under_the_bias_is_refused():

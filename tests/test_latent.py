@@ -172,5 +172,5 @@ def test_a_saved_latent_model_is_refused_before_its_weights_load(models, tmp_pat
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     with pytest.raises(UnsupportedModelError, match=r"\(deepseek_v3\) uses multi-head latent attention"):
-        runner.build(cfg)
+        runner.build(cfg, runner.check_run(cfg))
     assert runner.peek_config({"name": "smollm2_135m", "source": "gguf_package"}) is None

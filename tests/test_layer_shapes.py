@@ -16,7 +16,7 @@ from rmm import runner
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.files import config_dir
-from rmm.models import kv_sources
+from rmm.model_config import kv_sources
 from rmm.planning import check_shared
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
@@ -208,4 +208,4 @@ def test_kv_sharing_refusals_come_before_the_weights_load(tmp_path, monkeypatch)
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "wandb.mode=disabled"])
     with pytest.raises(UnsupportedModelError, match=r"\(gemma4_text\) shares keys and values across layers"):
-        runner.build(cfg)
+        runner.build(cfg, runner.check_run(cfg))

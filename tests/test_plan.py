@@ -332,7 +332,7 @@ def test_planner_and_runner_agree_on_the_reference_context(saved, model, monkeyp
             except ValueError as err:
                 planned = str(err)
             try:
-                ran = runner.build(cfg).reference.context
+                ran = runner.build(cfg, runner.check_run(cfg)).reference.context
             except ValueError as err:
                 ran = str(err)
             assert planned == ran, (model, n_tokens, context)
