@@ -18,7 +18,7 @@ revision's runs shuffled with ``--seed``); ``--dirty-only`` keeps the runs whose
 
 Each sampled run's ``config.yaml`` (the resolved config it ran with) is completed with the defaults of
 config keys added since (``rmm.runner.ADDED_KEY_DEFAULTS``), checked to be the configuration that
-``resume`` would accept as the same (``rmm.runner._changed_keys`` finds no difference), and run through
+``resume`` would accept as the same (``rmm.runner.changed_keys`` finds no difference), and run through
 ``rmm.runner.run`` into a temporary directory (W&B disabled, no progress bar, ``reuse=false``: every
 run streams). Its ``token_nll.parquet`` is compared with the committed one document by document
 (:func:`rmm.divergence.diverge`): the same tokens in the same order, then per-token NLL within
@@ -68,7 +68,7 @@ from omegaconf import OmegaConf
 from rmm.config import check_run
 from rmm.divergence import CORRECT_MARGIN, NLL_BOUND, TIE_MARGIN, Divergence, Trace, diverge
 from rmm.files import config_dir
-from rmm.runner import ADDED_KEY_DEFAULTS, _changed_keys, run
+from rmm.runner import ADDED_KEY_DEFAULTS, changed_keys, run
 from rmm.storage import (
     METRICS_FILE,
     atomic_write_text,
@@ -195,7 +195,7 @@ def recompose(stored: dict[str, Any]) -> dict[str, Any]:
             )
             if key in declared:
                 config["policy"].setdefault(key, value)
-    changed = _changed_keys(stored, config)
+    changed = changed_keys(stored, config)
     if changed:
         raise ValueError(f"the completed config differs from the stored one in {changed}")
     config["resume"], config["reuse"], config["progress"] = False, False, False

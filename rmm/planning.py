@@ -142,21 +142,19 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
     """Check that ``policy`` under ``options`` can run exactly on the model of ``facts`` (raises ValueError
     or :class:`~rmm.errors.UnsupportedModelError` naming the fix) and plan its stream."""
     positions, scope, allocation = options.positions, options.scope, options.allocation
-    check_allocation(allocation, scope, positions, policy)
-    if allocation != "uniform" and policy.budget is None:
-        raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
-    check_positions(policy, positions)
-    integration.check_positions(facts.model, positions)
     check_windows(facts.name, facts.windows, policy, scope)
+    check_stated(facts.stated, policy, options)
+    check_carried(facts.name, facts.carried, policy, scope)
     # R is the largest per-head capacity under an allocation, and the widest window of a layer the policy
     # leaves alone (layers=global)
-    recording = recording_plan(policy, positions, allocation, facts.shape[:2])
+    recording = recording_plan(policy, positions, allocation, facts.shape[:2], scope)
+    if allocation != "uniform" and policy.budget is None:
+        raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
+    integration.check_positions(facts.model, positions)
     if options.layers == "global" and policy.budget is not None:
         recording = recording.exempting(facts.windows)
-    check_stated(facts.stated, policy, options)
     if facts.stated.keep_window is not None:  # the model would select keys within a longer pass by itself
         recording = replace(recording, pass_limit=facts.stated.keep_window)
-    check_carried(facts.name, facts.carried, recording, scope)
     if not facts.rotary.candidates and recording.moves_positions:
         raise UnsupportedModelError(
             f"{facts.name} has no rotary position embedding (no `inv_freq` buffer, nor a sin/cos table in a "
@@ -181,10 +179,16 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
 
 
 def recording_plan(
-    policy: Policy, positions: str, allocation: str = "uniform", shape: tuple[int, int] | None = None
+    policy: Policy,
+    positions: str,
+    allocation: str = "uniform",
+    shape: tuple[int, int] | None = None,
+    scope: str = "head",
 ) -> RecordingPlan:
     """The recording plan of ``policy`` under ``positions`` (``original`` or ``cache``) and the budget
-    ``allocation`` over ``shape`` = (n_layers, n_kv_heads) (needed unless ``allocation`` is uniform)."""
+    ``allocation`` over ``shape`` = (n_layers, n_kv_heads) (needed unless ``allocation`` is uniform), after
+    refusing what the policy cannot do under these and ``scope``."""
+    check_allocation(allocation, scope, positions, policy)
     check_positions(policy, positions)
     retained = None if policy.budget is None else policy.capacity
     if isinstance(policy, PositionRule):
@@ -262,18 +266,18 @@ def check_keep_window(window: int | None, name: str, policy: Policy) -> None:
         )
 
 
-def check_carried(name: str, carried: list[int], plan: RecordingPlan, scope: str) -> None:
+def check_carried(name: str, carried: list[int], policy: Policy, scope: str) -> None:
     """Refuse what a model ``name`` with recurrent or convolutional mixers (``carried``: their layers)
     cannot do with a score-based policy: one set across all layers (``scope=global``; its mixers hold no
     entries), or the gradient utility (the reference does not carry a hybrid model's state through it)."""
-    if not carried or plan.rule is not None:
+    if not carried or not isinstance(policy, ScorePolicy):
         return
     if scope == "global":
         raise UnsupportedModelError(
             f"{name} has layers that hold no attention entries (recurrent or convolutional mixers), so one "
             "set cannot be shared across all layers; use scope=head or scope=layer"
         )
-    if plan.track_gradient:
+    if "gradient" in policy.needs:
         raise UnsupportedModelError(
             f"the gradient utility (rmm's weight=gradient) on {name}, whose mixers carry state across "
             "chunks, is not checked against the reference; use another weight"

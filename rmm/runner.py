@@ -132,7 +132,7 @@ def _reused(
 
 def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
     """The stored metrics of a complete run of the same configuration."""
-    changed = _changed_keys(read_config(run_dir), config)
+    changed = changed_keys(read_config(run_dir), config)
     if changed:
         raise ValueError(
             f"{run_dir} holds complete results of a different configuration (differs in: "
@@ -201,7 +201,7 @@ class RunningPerplexity:
             self.last_logged = scored
 
 
-def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
+def changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between a stored and the current config, ignoring options that do
     not change results (``_NOT_RESULTS``).
 
@@ -220,7 +220,7 @@ def _changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:
             continue
         old, new = stored[key], current[key]
         if isinstance(old, dict) and isinstance(new, dict):
-            changed += _changed_keys(old, new, f"{name}.")
+            changed += changed_keys(old, new, f"{name}.")
         elif old != new:
             changed.append(name)
     return changed

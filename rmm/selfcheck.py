@@ -120,7 +120,7 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     try:
         probe = tokens[: probe_length(engine, tokens.numel())].to(engine.facts.device)
         rotations = _check_rotation(engine, probe) if _renumbers(engine) else {}
-        difference, step, in_batch = _check_stream(engine, probe)
+        difference, step, in_batch = check_stream(engine, probe)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{name} failed the self-check: {err}") from err
     except Exception as err:  # anything the probe trips over is a refusal, never a crash mid-run
@@ -181,7 +181,7 @@ def _unlimited(plan: RecordingPlan, chunk: int, **changes) -> RecordingPlan:
     )
 
 
-def _check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+def check_stream(engine: Checkable, probe: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """(|dNLL| [n - 1] of the probe against the model's own forward, tokens per pass, and with
     ``engine.options.batch`` > 1 |dNLL| [2, n - 1] of the probe in each row of a batch of two beside its
     reverse against the probe streamed alone, else None); checks the attention calls.

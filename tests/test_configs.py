@@ -300,7 +300,7 @@ def test_committed_runs_resume_under_the_current_configs(
     The fast loop composes the jobs that cover every value of every swept parameter (70 of 121 jobs: a
     changed default, policy config or run name shows there); the slow suite composes every job and checks
     that every committed run is one of them."""
-    from rmm.runner import _changed_keys
+    from rmm.runner import changed_keys
     from rmm.storage import read_config, run_is_complete
 
     root = CONF.parent / COMMITTED[prefix]
@@ -317,7 +317,7 @@ def test_committed_runs_resume_under_the_current_configs(
             current = OmegaConf.to_container(
                 OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True
             )
-            assert _changed_keys(read_config(run_dir), current) == [], run_dir
+            assert changed_keys(read_config(run_dir), current) == [], run_dir
             matched.add(run_dir)
     assert committed and matched
     if every_job:

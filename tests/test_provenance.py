@@ -200,7 +200,7 @@ def test_registered_presets_and_resume() -> None:
         for preset in ("confirm_cpu_common", "confirm_cpu_natural", "confirm_cpu_natural_lags"):
             assert compose("config", overrides=[f"experiment={preset}"]).provenance.require_clean is True
     stored = {"budget": 8, "policy": {"name": "h2o"}}  # a run written before the key existed
-    assert runner._changed_keys(stored, {**stored, "provenance": {"require_clean": True}}) == []
+    assert runner.changed_keys(stored, {**stored, "provenance": {"require_clean": True}}) == []
 
 
 # python run.py -m with a dirty capture, from a fresh interpreter (about 10 s; the conftest's background

@@ -218,7 +218,7 @@ def main_table(frame: pd.DataFrame, digits: int = 2, intervals: bool = False) ->
             rows.append(["full"] + [_ppl_cell(full, digits, intervals)] * max(len(budgets), 1))
         policy_of = evicting.groupby("label")["policy"].first()
         for label in sorted(
-            policy_of.index, key=lambda lab: (policy_sort_key(policy_of[lab]), _natural(lab))
+            policy_of.index, key=lambda lab: (policy_sort_key(policy_of[lab]), natural_key(lab))
         ):
             runs = evicting[evicting["label"] == label]
             rows.append([label] + [_ppl_cell(runs[runs["budget"] == b], digits, intervals) for b in budgets])
@@ -238,7 +238,7 @@ def _ppl_cell(runs: pd.DataFrame, digits: int, intervals: bool) -> str:
     return cell
 
 
-def _natural(label: str) -> list:
+def natural_key(label: str) -> list:
     """Sort key that orders the numbers inside a label by value (lag=8 before lag=16)."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", label)]
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,7 +42,7 @@ from rmm.analysis.bootstrap import (
     TokenMismatchError,
     compare_tokens,
 )
-from rmm.analysis.collect import PARAM_EXCLUDE, SETTING_COLUMNS, collect, load_runs, with_labels
+from rmm.analysis.collect import PARAM_EXCLUDE, SETTING_COLUMNS, collect, load_runs, natural_key, with_labels
 from rmm.analysis.policy_table import policy_sort_key
 from rmm.storage import atomic_write_text, read_metrics, read_tokens, run_is_complete
 
@@ -187,15 +186,10 @@ def _sorted_like_table(comparisons: pd.DataFrame) -> pd.DataFrame:
             *(str(comparisons.at[i, c]) for c in ("model", "dataset") if c in comparisons.columns),
             comparisons.at[i, "budget"] if pd.notna(comparisons.at[i, "budget"]) else np.inf,
             policy_sort_key(str(comparisons.at[i, "policy"])),
-            _natural(str(comparisons.at[i, "label"])),
+            natural_key(str(comparisons.at[i, "label"])),
         ),
     )
     return comparisons.loc[order].reset_index(drop=True)
-
-
-def _natural(label: str) -> list[Any]:
-    """Sort key ordering the numbers inside a label by value (lag=8 before lag=16)."""
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", label)]
 
 
 def _signed(value: float, digits: int) -> str:

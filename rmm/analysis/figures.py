@@ -30,7 +30,7 @@ from rmm.analysis.policy_table import WEIGHT_COLORS, policy_color, policy_sort_k
 from rmm.storage import read_tokens
 from rmm.tracking import position_perplexity
 
-SETTING_COLUMNS = ("model", "dataset", "device", "dtype")
+FIGURE_SETTINGS = ("model", "dataset", "device", "dtype")  # one value of each per figure
 COMMIT_STYLES = {"accumulate": "-", "freeze": "--"}
 
 
@@ -45,7 +45,7 @@ def select_setting(frame: pd.DataFrame, **fixed: Any) -> pd.DataFrame:
     settings are dropped.
     """
     kept = frame
-    for column in SETTING_COLUMNS:
+    for column in FIGURE_SETTINGS:
         if column not in kept.columns or kept.empty:
             continue
         value = fixed.get(column)
@@ -54,7 +54,7 @@ def select_setting(frame: pd.DataFrame, **fixed: Any) -> pd.DataFrame:
             value = sorted(counts.index[counts == counts.max()], key=str)[0]
         kept = kept[kept[column].isna()] if pd.isna(value) else kept[kept[column] == value]
     if len(kept) < len(frame):
-        chosen = ", ".join(f"{c}={kept[c].iloc[0]}" for c in SETTING_COLUMNS if c in kept and not kept.empty)
+        chosen = ", ".join(f"{c}={kept[c].iloc[0]}" for c in FIGURE_SETTINGS if c in kept and not kept.empty)
         print(f"[figures] using {len(kept)} of {len(frame)} runs ({chosen})")
     return kept
 

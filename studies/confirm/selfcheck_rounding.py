@@ -22,12 +22,12 @@ from rmm.data import load_documents
 from rmm.engine import StreamingEngine
 from rmm.files import atomic_write_text
 from rmm.models import load_model
+from rmm.options import POSITIONS
 from rmm.policies import make_policy
 from studies.confirm.confirm import cell_config
 
 MODEL = "gemma3_270m"
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-POSITIONS = ("original", "cache")
 
 
 def measure(cell: str, seed: int) -> list[str]:
@@ -45,11 +45,11 @@ def measure(cell: str, seed: int) -> list[str]:
             for doc in docs:
                 probe = doc.tokens[: selfcheck.probe_length(engine, doc.tokens.numel())]
                 for row, tokens in enumerate((probe, probe.flip(0))):
-                    difference = selfcheck._check_stream(engine, tokens)[0]
+                    difference = selfcheck.check_stream(engine, tokens)[0]
                     found[(dtype_name, positions, doc.doc_id, row)] = float(difference.max())
                 if dtype == torch.float32 and positions == "cache":
                     pair = StreamingEngine(model, policy, positions=positions, batch=2)
-                    in_batch = selfcheck._check_stream(pair, probe)[2]
+                    in_batch = selfcheck.check_stream(pair, probe)[2]
                     for row in (0, 1):
                         batched[(doc.doc_id, row)] = float(in_batch[row].max())
     rows = []

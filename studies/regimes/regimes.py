@@ -150,7 +150,7 @@ def comparisons(frame: pd.DataFrame, n_resamples: int = N_RESAMPLES) -> pd.DataF
     return pd.DataFrame(rows)
 
 
-def _cell_name(row: pd.Series) -> str:
+def cell_name(row: pd.Series) -> str:
     return (
         f"decoys {row['dataset.n_decoys']:g}, echo_gap {row['dataset.echo_gap']:g}, "
         f"recall_gap {row['dataset.recall_gap']:g}, B={row['budget']:g}, lag {row['lag']:g}"
@@ -170,7 +170,7 @@ def cells_markdown(table: pd.DataFrame) -> str:
         "",
     ]
     for _, rows in table.groupby([*FACTORS, "lag"], sort=True):
-        lines += [f"## {_cell_name(rows.iloc[0])}", ""]
+        lines += [f"## {cell_name(rows.iloc[0])}", ""]
         for _, row in rows.iterrows():
             mark = "*" if row["ci_low"] > 0 or row["ci_high"] < 0 else ""
             if "share" in row and pd.notna(row.get("share")):

@@ -24,7 +24,7 @@ import pandas as pd
 from rmm.analysis.collect import collect
 from rmm.analysis.seeds import SEED_COLUMN, pooled_pairs, t_summary
 from rmm.storage import atomic_write_text
-from studies.regimes.regimes import COMPARISONS, FACTORS, _cell_name, cell_runs
+from studies.regimes.regimes import COMPARISONS, FACTORS, cell_name, cell_runs
 
 CELL = [*FACTORS, "lag"]
 
@@ -87,7 +87,7 @@ def markdown(table: pd.DataFrame, command: str) -> str:
         boot_mark = "*" if row["boot_resolved"] else ""
         t_mark = "*" if row["t_resolved"] else ""
         lines.append(
-            f"| {_cell_name(row)} | {row['comparison']} | {row['ratio']:.2f} "
+            f"| {cell_name(row)} | {row['comparison']} | {row['ratio']:.2f} "
             f"| [{row['ratio_ci_low']:.2f}, {row['ratio_ci_high']:.2f}]{boot_mark} "
             f"| [{row['t_low']:.2f}, {row['t_high']:.2f}]{t_mark} | {row['seed_ratios']} |"
         )

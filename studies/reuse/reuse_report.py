@@ -29,8 +29,8 @@ import numpy as np
 import pandas as pd
 
 from rmm.analysis.bootstrap import doc_sizes, mean_interval, scored_tokens
-from rmm.analysis.collect import collect, load_runs, with_labels, write_csv
-from rmm.analysis.compare import _natural, compare_sweep, comparison_table
+from rmm.analysis.collect import collect, load_runs, natural_key, with_labels, write_csv
+from rmm.analysis.compare import compare_sweep, comparison_table
 from rmm.analysis.policy_table import WEIGHT_COLORS, policy_color, policy_sort_key
 from rmm.storage import atomic_write_text, read_tokens
 
@@ -100,7 +100,7 @@ def recall_table(frame: pd.DataFrame) -> str:
             key=lambda i: (
                 -1 if group.at[i, "policy"] == "full" else group.at[i, "budget"],
                 policy_sort_key(group.at[i, "policy"]),
-                _natural(group.at[i, "label"]),
+                natural_key(group.at[i, "label"]),
             ),
         )
         for i in order:
@@ -247,7 +247,7 @@ def estimator_table(frame: pd.DataFrame, natural: pd.DataFrame | None) -> str:
     here = _main(frame)
     here = _spearman_by_config(here[here["budget"] == 128])
     there = _spearman_by_config(natural[natural["budget"] == 128]) if natural is not None else {}
-    for key in sorted(set(here) | set(there), key=lambda k: (policy_sort_key(k.split()[0]), _natural(k))):
+    for key in sorted(set(here) | set(there), key=lambda k: (policy_sort_key(k.split()[0]), natural_key(k))):
         a = f"{here[key]:.3f}" if key in here else "–"
         b = f"{there[key]:.3f}" if key in there else "–"
         lines.append(f"| {key} | {a} | {b} |")
