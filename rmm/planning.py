@@ -83,7 +83,7 @@ def model_facts(model: PreTrainedModel) -> ModelFacts:
     attention cannot reproduce it (:func:`rmm.integration.check_model`)."""
     dims = describe_model(model)  # one number of layers, heads and head dimension, or refused
     config = model.config.get_text_config()
-    facts = config_facts(config, f"{type(model).__name__} ({config.model_type})")
+    facts = config_facts(config, integration.name_of(model))
     integration.check_model(model)
     shapes = None
     if facts.layer_shapes is None and not facts.latent:  # shapes the config does not state (MiMo-V2-Flash)
