@@ -5,6 +5,7 @@
     python checks/bench.py --chunks 64 256 512     # throughput against C, engine and plain forward
     python checks/bench.py --profile --batch 8     # top operators: window, h2o and equal work, side by side
     python checks/bench.py --out results/bench     # also write results/bench/speed_B256_T4096.md
+    python checks/bench.py --paired --batch 8 --policies h2o,rmm --repeats 5   # each run beside its yardstick
 
 The engine streams the first ``--tokens`` tokens of the Shakespeare sample as ``--docs`` documents of
 equal length, ``--batch`` side by side per forward pass (each with its own memory and decisions).
@@ -18,6 +19,9 @@ the batch, with a KV cache cut to the last B - C + 1 keys after every pass, so t
 most B keys besides its own, as in the engine); then the ratios the project's targets are stated in. With
 ``--repeats R`` the engine runs and both yardsticks are repeated R times, interleaved (every run once per
 round), and each run's fastest round counts, which damps the effect of other load on a shared machine.
+With ``--paired`` each engine run is timed next to the equal-work forward at its batch, R times, the
+order within a pair alternating, and the ratio of each pair is reported (median and range): the ratio
+then no longer depends on what ran earlier in a round or on the machine's speed drifting between runs.
 
 Goals against the equal-work yardstick at the run's own batch, on an idle machine: h2o and rmm at batch 8
 >= 0.9x; the position rules (window, streaming_llm) >= 0.95x.
@@ -29,6 +33,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -233,6 +238,72 @@ def profile(
         print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
+def paired(
+    model, docs: list[torch.Tensor], engines: dict[str, StreamingEngine], args: argparse.Namespace
+) -> list[str]:
+    """Each engine run timed beside the equal-work forward over the same documents at the same batch,
+    ``args.repeats`` pairs each, the order within a pair alternating (engine first in odd pairs). Prints
+    every pair; returns the table's rows: per run, the engine's and the yardstick's best rates and the
+    median, lowest and highest ratio over its pairs."""
+    n = sum(doc.numel() for doc in docs)
+    rows = []
+    for key, engine in engines.items():
+        groups = batch_groups(docs, engine.options.batch)
+        work_tokens = sum(x.numel() for x in groups)
+        runs = {
+            "engine": lambda engine=engine: stream_docs(engine, docs),
+            "work": lambda groups=groups: [equal_work(model, x, args.budget, args.chunk) for x in groups],
+        }
+        rates: dict[str, list[float]] = {"engine": [], "work": []}
+        for pair in range(args.repeats):
+            for which in ("engine", "work") if pair % 2 == 0 else ("work", "engine"):
+                seconds, _ = timed(runs[which])
+                rates[which].append((n if which == "engine" else work_tokens) / seconds)
+            ratio = rates["engine"][-1] / rates["work"][-1]
+            print(
+                f"  pair {pair + 1}: {key:28s} {rates['engine'][-1]:8.1f} tokens/s, equal work "
+                f"{rates['work'][-1]:8.1f} tokens/s: {ratio:.3f}x",
+                flush=True,
+            )
+        ratios = sorted(e / w for e, w in zip(rates["engine"], rates["work"], strict=True))
+        median = statistics.median(ratios)
+        rows.append(
+            f"| {key} | {engine.options.batch} | {max(rates['engine']):.1f} | {max(rates['work']):.1f} | "
+            f"{median:.3f} | {ratios[0]:.3f} | {ratios[-1]:.3f} |"
+        )
+    return rows
+
+
+def write_paired(args: argparse.Namespace, n: int, rows: list[str], load_before: tuple) -> None:
+    """Print the paired table and, with ``--out``, write it to ``<out>/paired_B<budget>_T<n>_b<batch>.md``."""
+    import platform
+
+    lines = [
+        f"# Paired speed: SmolLM2-135M fp32 on CPU, {n} tokens in {args.docs} documents, B={args.budget}, "
+        f"C={args.chunk}",
+        "",
+        f"Command: `python checks/bench.py {' '.join(sys.argv[1:])}`: every engine run timed next to the "
+        f"equal-work forward over the same documents at its batch, {args.repeats} pairs each, the order "
+        "within a pair alternating.",
+        f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), {args.threads} "
+        f"threads; load average {load_before[0]:.2f} before and {os.getloadavg()[0]:.2f} after the run "
+        f"(1-minute). torch {torch.__version__}.",
+        "",
+        "| run | batch | tokens/s (best) | equal work (best) | ratio, median | lowest | highest |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "Goals against equal work (idle machine): h2o and rmm at batch 8 >= 0.9x; position rules (window,",
+        "streaming_llm) >= 0.95x.",
+    ]
+    print("\n".join(lines))
+    if args.out:
+        path = args.out / f"paired_B{args.budget}_T{n}_b{args.batch}.md"
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, "\n".join(lines) + "\n")
+        print(f"wrote {path}")
+
+
 def write_table(
     args: argparse.Namespace,
     n: int,
@@ -357,6 +428,11 @@ def main() -> None:
     parser.add_argument("--policies", help="comma-separated subset of the engine runs (window always runs)")
     parser.add_argument("--only-engine", action="store_true", help="engine runs only (no forward, no loop)")
     parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="only time each engine run at --batch beside the equal-work forward, --repeats pairs each",
+    )
+    parser.add_argument(
         "--loop-tokens",
         type=int,
         default=None,
@@ -420,6 +496,9 @@ def main() -> None:
         policy = make_policy({"name": name, **params}, budget=args.budget, chunk=args.chunk)
         engines[key] = engine = StreamingEngine(model, policy, positions=positions, batch=batch)
         engine.stream(tokens[: 2 * args.chunk + 1])  # warm-up
+    if args.paired:
+        equal_work(model, batch_groups(docs, args.batch)[0][:, : 2 * args.chunk + 1], args.budget, args.chunk)
+        return write_paired(args, n, paired(model, docs, engines, args), load_before)
     # window again, streamed in passes of C tokens like the score-based policies (position rules normally
     # take max(C, min(B, 1024))-token passes): the ratio to it isolates a policy's own cost from the pass size
     engines[WINDOW_AT_C] = engines["window/original"]
