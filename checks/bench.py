@@ -219,7 +219,9 @@ def profile(
 
     runs = {}
     for name in names:
-        engine = StreamingEngine(model, make_policy({"name": name}, budget=budget, chunk=chunk), batch=batch)
+        params = next(params for known, params, _ in POLICIES if known == name)  # the table's first
+        policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
+        engine = StreamingEngine(model, policy, batch=batch)
         engine.self_check(docs[0])
         runs[name] = lambda engine=engine: stream_docs(engine, docs)
     groups = batch_groups(docs, batch)
@@ -425,7 +427,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of the engine runs")
-    parser.add_argument("--policies", help="comma-separated subset of the engine runs (window always runs)")
+    parser.add_argument(
+        "--policies",
+        help="comma-separated engine runs, by policy (h2o) or by run (rmm/original); window always runs",
+    )
     parser.add_argument("--only-engine", action="store_true", help="engine runs only (no forward, no loop)")
     parser.add_argument(
         "--paired",
@@ -488,9 +493,9 @@ def main() -> None:
     runs = [(name, params, positions, args.batch) for name, params, positions in POLICIES]
     runs += [(name, params, positions, b) for b in args.batches or [] for name, params, positions in CURVE]
     for name, params, positions, batch in runs:
-        if chosen is not None and name not in chosen:
-            continue
         key = label(name, params, positions) + ("" if batch == args.batch else f"@b{batch}")
+        if chosen is not None and name not in chosen and key not in chosen:
+            continue
         if key in engines:
             continue
         policy = make_policy({"name": name, **params}, budget=args.budget, chunk=args.chunk)

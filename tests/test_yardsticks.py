@@ -40,3 +40,45 @@ def test_equal_work_attends_at_most_the_budget(n: int, budget: int, chunk: int, 
 def test_equal_work_refuses_a_chunk_above_the_budget():
     with pytest.raises(ValueError, match="chunk <= budget"):
         equal_work(tiny_model("llama"), torch.zeros(1, 8, dtype=torch.long), budget=4, chunk=5)
+
+
+def test_paired_times_each_run_beside_its_yardstick_order_alternating(monkeypatch):
+    """checks/bench.py --paired: per engine run, R pairs, the engine first in odd pairs and the yardstick
+    first in even ones, the yardstick over the same documents at the engine's own batch; a row per run
+    whose median lies within its lowest and highest ratio."""
+    import argparse
+
+    from checks import bench
+    from rmm.engine import StreamingEngine
+    from rmm.policies import make_policy
+
+    model = tiny_model("llama")
+    docs = list(torch.randint(model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1)))
+    engines = {
+        f"{name}@b{batch}": StreamingEngine(
+            model, make_policy({"name": name}, budget=8, chunk=4), batch=batch
+        )
+        for name, batch in (("window", 2), ("h2o", 3))
+    }
+    calls: list[tuple[str, int]] = []
+    streamed = bench.stream_docs
+    monkeypatch.setattr(
+        bench, "stream_docs", lambda e, d: calls.append(("engine", e.options.batch)) or streamed(e, d)
+    )
+    monkeypatch.setattr(
+        bench, "equal_work", lambda m, x, b, c: calls.append(("work", x.shape[0])) or equal_work(m, x, b, c)
+    )
+    args = argparse.Namespace(repeats=3, budget=8, chunk=4)
+    rows = bench.paired(model, docs, engines, args)
+    # window at batch 2: groups of 2 and 1 documents; h2o at batch 3: one group of 3
+    window = [("engine", 2), ("work", 2), ("work", 1)]
+    expect = [
+        *window, ("work", 2), ("work", 1), ("engine", 2), *window,
+        ("engine", 3), ("work", 3), ("work", 3), ("engine", 3), ("engine", 3), ("work", 3),
+    ]  # fmt: skip
+    assert calls == expect
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        median, lowest, highest = (float(c) for c in cells[4:7])
+        assert 0 < lowest <= median <= highest
