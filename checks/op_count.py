@@ -36,7 +36,11 @@ launch no kernel: ops whose schema returns an alias of an input (``view``, ``sli
 - ``aten._to_copy`` to the cpu from a tensor on another device, ``aten.copy_`` into a cpu tensor from
   another device (never on the CPU, where every tensor is on the cpu: there the op list decides);
 - ``Tensor.tolist`` and ``Tensor.numpy`` (seen by a ``TorchFunctionMode``: they dispatch nothing on the
-  CPU); a sync inside them is not counted twice.
+  CPU); a sync inside them is not counted twice;
+- ``torch.tensor`` and ``torch.as_tensor`` of host data (not a tensor) with a ``device`` named (seen by the
+  same mode): on the CPU they copy nothing, but on a GPU the copy from pageable host memory waits for
+  the device's stream (``rmm.transfer.to_device`` stages such values in pinned memory instead). Host data
+  made on the CPU and moved later with ``.to(device)`` is not seen on the CPU.
 
 **Phases**: the ops of a call of a function or method named in :data:`PHASES` belong to its phase (the
 innermost such call wins), everything else to ``model`` (the model's own layers and the engine's
@@ -129,6 +133,7 @@ _METADATA_ONLY = frozenset(
     {"_unsafe_view", "promote_types", "result_type", "sym_size", "sym_stride", "sym_numel"}
 )
 _HOST_READS = {"tolist", "numpy"}  # Tensor methods seen by the function mode
+_HOST_TO_DEVICE = (torch.tensor, torch.as_tensor)  # with host data and a device: a blocking copy on a GPU
 _TORCH_DIR = Path(torch.__file__).resolve().parent
 
 
@@ -203,7 +208,8 @@ class OpCounter(TorchDispatchMode):
 
 
 class _HostReads(TorchFunctionMode):
-    """Counts ``Tensor.tolist`` and ``Tensor.numpy`` as host syncs of ``counter`` (no dispatch on the CPU)."""
+    """Counts ``Tensor.tolist`` and ``Tensor.numpy``, and host data handed to a device by ``torch.tensor``
+    or ``torch.as_tensor`` with a ``device``, as host syncs of ``counter`` (no dispatch on the CPU)."""
 
     def __init__(self, counter: OpCounter) -> None:
         super().__init__()
@@ -211,6 +217,13 @@ class _HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if (
+            func in _HOST_TO_DEVICE
+            and kwargs.get("device") is not None
+            and not isinstance(args[0], torch.Tensor)
+        ):
+            self.counter.sync(f"torch.{func.__name__}(device=)")
+            return func(*args, **kwargs)
         if getattr(func, "__name__", None) not in _HOST_READS or not isinstance(args[0], torch.Tensor):
             return func(*args, **kwargs)
         self.counter.sync(f"Tensor.{func.__name__}")

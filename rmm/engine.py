@@ -32,6 +32,7 @@ from rmm.policies.select import (
 )
 from rmm.recording import RecordingPlan
 from rmm.selfcheck import SelfCheck
+from rmm.transfer import to_device
 
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -271,8 +272,8 @@ class StreamingEngine:
             at = [first + min(q, length - 1) for q in range(width)]  # a padded query repeats the last token
             tokens.append([stream.ids[p] for p in at])
             targets.append([stream.ids[min(p + 1, len(stream.ids) - 1)] for p in at])
-        tokens_t = torch.tensor(tokens, device=self.facts.device)
-        targets_t = torch.tensor(targets, device=self.facts.device)
+        tokens_t = to_device(tokens, self.facts.device)
+        targets_t = to_device(targets, self.facts.device)
         tracking = self.plan.recording.track_gradient
         # autograd only for a policy that needs the gradient utility, and only for this pass
         with torch.enable_grad() if tracking else contextlib.nullcontext():
@@ -287,7 +288,7 @@ class StreamingEngine:
             if tracking:
                 counted = (
                     torch.arange(width, device=self.facts.device)
-                    < torch.tensor(scored, device=self.facts.device)[:, None]
+                    < to_device(scored, self.facts.device)[:, None]
                 )
                 record_gradients(memory, (token_nll * counted).sum() if max(scored) > 0 else None)
         best, argmax, runner_up = top_two(log_probs.detach())  # how far the argmax is ahead of the runner-up
@@ -323,13 +324,13 @@ class StreamingEngine:
         deciding = [i for i, stream in enumerate(rows) if not stream.done]
         if not deciding:
             return
-        now = torch.tensor(stops, device=self.facts.device)
+        now = to_device(stops, self.facts.device)
         if plan.rule is None:
             keep = self._select(memory, rows, views, stops, deciding, now)
         else:
             keep = rule_keep(plan.rule, now, memory.chunk_key_pos())
             if plan.exempt:  # layers the rule leaves alone keep what their window shows
-                exempt = torch.tensor(plan.exempt, device=keep.device)[:, None, None, None]
+                exempt = to_device(plan.exempt, keep.device)[:, None, None, None]
                 keep = torch.where(exempt, memory.alive(now), keep)
         evicted = memory.compact(keep, now)
         for i in deciding:
@@ -378,7 +379,7 @@ class StreamingEngine:
         without a target (past the first ``scored[i]`` of row i)."""
         width = outcome[0].shape[1]
         device = self.facts.device
-        targets = torch.arange(width, device=device) < torch.tensor(scored, device=device)[:, None]
+        targets = torch.arange(width, device=device) < to_device(scored, device)[:, None]
         nll = outcome[0].masked_fill(~targets, 0)
         return {"correct": (outcome[1] & targets).float(), "prob": torch.exp(-nll) * targets, "nll": nll}
 
@@ -416,7 +417,7 @@ class StreamingEngine:
         if len(deciding) == len(rows):
             picked = (key_pos.movedim(1, 0), valid.movedim(1, 0))
         else:
-            index = torch.tensor(deciding, device=self.facts.device)
+            index = to_device(deciding, self.facts.device)
             picked = (
                 key_pos.index_select(1, index).movedim(1, 0),
                 valid.index_select(1, index).movedim(1, 0),

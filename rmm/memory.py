@@ -61,6 +61,7 @@ import torch
 from rmm.masks import ChunkMasks, LayerWindow
 from rmm.recording import RecordingPlan
 from rmm.rotary import ChunkRotations, KeyStorage, Rotary
+from rmm.transfer import to_device
 
 
 class RowState(Protocol):
@@ -207,7 +208,7 @@ class SlotMemory:
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (in that order), e.g. when streams finish and none replaces them."""
-        index = torch.tensor(list(rows), device=self.device)
+        index = to_device(list(rows), self.device)
         self._map_rows(lambda tensor, dim: tensor.index_select(dim, index))
         if self.carried is not None:
             self.carried.keep_rows(index)
@@ -282,9 +283,9 @@ class SlotMemory:
         self.lengths = list(lengths)
         self.passes += 1
         step = torch.arange(n_q, device=self.device)
-        pad = step >= torch.tensor(list(lengths), device=self.device)[:, None] if min(lengths) < n_q else None
+        pad = step >= to_device(list(lengths), self.device)[:, None] if min(lengths) < n_q else None
         # padded queries continue the positions
-        self.query_pos = torch.tensor(list(starts), device=self.device)[:, None] + step  # [N, Q]
+        self.query_pos = to_device(list(starts), self.device)[:, None] + step  # [N, Q]
         self._place_chunk(self.query_pos if pad is None else self.query_pos.masked_fill(pad, -1))
         reach = max(s + n - 1 for s, n in zip(starts, lengths, strict=True))
         retained_pos = self.key_pos[..., : self.retained]

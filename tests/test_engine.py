@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from conftest import STREAM_LENGTH, record_max
@@ -15,6 +17,7 @@ from rmm.options import POSITIONS
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
 from rmm.rotary import Rotary
+from rmm.transfer import to_device
 
 NLL_ATOL = 5e-6  # per token, fp32 (measured: 1.4e-6 for full, 2.4e-6 over the reference matrix)
 SMOLLM2_NLL_ATOL = 5e-5  # per token, 30 layers of fp32 on real weights (measured 1.5e-5)
@@ -287,3 +290,17 @@ def test_attended_counts_without_the_allowed_mask_equal_counting_it(padded):
     expected = (torch.stack([visible_count(a) for a in allowed]) - 1).mean(dim=(0, 2))  # [N, Q]
     expected = expected.masked_fill(pad, 0) if padded else expected
     assert torch.equal(masks.attended(n_layers, heads, None), expected)
+
+
+def test_to_device_stages_host_values_in_pinned_memory_on_cuda():
+    """On a CUDA device host values go through pinned memory and a non-blocking copy (a pageable copy
+    waits for the device's stream); elsewhere they are a plain tensor with the values and dtype asked."""
+    plain = to_device([[1, 2], [3, 4]], torch.device("cpu"))
+    assert plain.dtype == torch.long and plain.tolist() == [[1, 2], [3, 4]]
+    assert to_device([True, False], torch.device("cpu")).dtype == torch.bool
+    assert to_device([1, 2], torch.device("cpu"), torch.float32).dtype == torch.float32
+    staged = mock.MagicMock()
+    with mock.patch("torch.tensor", return_value=staged) as made:
+        to_device([1, 2], torch.device("cuda", 0))
+    made.assert_called_once_with([1, 2], dtype=None, pin_memory=True)
+    staged.to.assert_called_once_with(torch.device("cuda", 0), non_blocking=True)

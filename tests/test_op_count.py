@@ -10,6 +10,7 @@ import torch
 
 from checks import op_count
 from rmm.policies.h2o import H2O
+from rmm.transfer import to_device
 
 BUDGET, CHUNK, BATCH = 32, 8, 2
 
@@ -70,7 +71,10 @@ def test_host_sync_list() -> None:
         x.repeat_interleave(torch.tensor([1, 2, 1, 1, 1, 1]))  # output size from values
         x.repeat_interleave(torch.tensor([1, 2, 1, 1, 1, 1]), output_size=7)  # no sync
         y[torch.tensor([0, 1])]  # integer indexing: no sync
-    assert counter.syncs["model"] == 5, counter.sites
+        torch.tensor([1, 2], device="cpu")  # host data to a named device: a blocking copy on a GPU
+        torch.as_tensor(x, device="cpu")  # a tensor already: no copy from the host
+        to_device([1, 2], x.device)  # staged in pinned memory on a GPU: no sync
+    assert counter.syncs["model"] == 6, counter.sites
     assert counter.ops["model"] > counter.syncs["model"]
 
 
@@ -80,3 +84,12 @@ def test_a_missing_phase_target_names_the_table() -> None:
         pytest.raises(RuntimeError, match="PHASES"),
     ):
         op_count.count(model(), "window", BATCH, BUDGET, CHUNK)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "window"])
+def test_a_pass_makes_no_host_sync_of_its_own(policy: str) -> None:
+    """Every host sync left in a pass is the model's own (transformers'): none from the engine, its memory,
+    masks or policies, host data handed to the device (tokens, chunk starts, boundaries) included."""
+    sites = counted(policy).sites
+    assert sites, "the model's own sync is expected to be seen"
+    assert not [where for (_, _, where) in sites if where.startswith("rmm/")], sites

@@ -52,6 +52,7 @@ from rmm.policies.base import (
     weighted_attention,
 )
 from rmm.policies.select import rank
+from rmm.transfer import to_device
 
 WEIGHTS = ("correct", "prob", "uniform", "gradient")
 GRADIENT_DIGITS = 3  # significant digits at which gradient utilities are compared (the module docstring)
@@ -173,7 +174,7 @@ class RMM(ScorePolicy):
         self, state: dict[str, torch.Tensor], key_pos: torch.Tensor, now: torch.Tensor | int
     ) -> torch.Tensor:
         """Every arm's scores [A, L, H, S] at boundary ``now``: h2o's, then rmm's at each candidate lag."""
-        protect = torch.tensor([self.capacity // 2, *self.lags], device=key_pos.device)
+        protect = to_device([self.capacity // 2, *self.lags], key_pos.device)
         recent = key_pos >= now - protect[:, None, None, None]  # [A, L, H, S]
         scores = torch.stack([state["acc"], *[state["utility"]] * len(self.lags)])
         return torch.where(recent, torch.inf, scores)
