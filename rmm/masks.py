@@ -203,8 +203,9 @@ class ChunkMasks:
             for layer, (allowed, *_) in self.layers.items():
                 counts[layer] = (visible_count(allowed) - 1).expand_as(counts[layer])
         if empty is not None and counts.shape[0] > 1:  # the average over the pairs that hold entries
-            counts = counts.expand(-1, -1, n_heads, -1).transpose(1, 2)  # [L, H, N, Q]
-            per_query = counts[~empty[:, 0, :, 0]].mean(dim=0)  # [N, Q]
+            held = ~empty  # [L, 1, H, 1]; no boolean indexing: it would wait for the device
+            counts = counts.expand(-1, -1, n_heads, -1)  # [L, N, H, Q], whole numbers: the sum is exact
+            per_query = (counts * held).sum(dim=(0, 2)) / held.sum()  # [N, Q]
         else:
             per_query = counts.mean(dim=(0, 2))  # [N, Q]
         return per_query if self.pad is None else per_query.masked_fill(self.pad, 0)

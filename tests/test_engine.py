@@ -261,7 +261,8 @@ def test_compaction_moves_whole_slots(move_bytes, monkeypatch):
 @pytest.mark.parametrize("padded", [False, True])
 def test_attended_counts_without_the_allowed_mask_equal_counting_it(padded):
     """A score-based pass counts each query's visible entries from the held ones (the allowed mask is not
-    built where only its complement is needed): the same as counting the mask, a windowed layer's too."""
+    built where only its complement is needed): the same as counting the mask, a windowed layer's too,
+    and averaged over the (layer, KV head) pairs that hold entries where some hold none."""
     from rmm.integration import Visibility
     from rmm.masks import ChunkMasks, visible_count
     from rmm.planning import recording_plan
@@ -287,9 +288,15 @@ def test_attended_counts_without_the_allowed_mask_equal_counting_it(padded):
     allowed = [
         masks.layers[layer][0] if layer in masks.layers else ~masks.blocked[layer] for layer in range(3)
     ]
-    expected = (torch.stack([visible_count(a) for a in allowed]) - 1).mean(dim=(0, 2))  # [N, Q]
+    counts = torch.stack([visible_count(a) for a in allowed]) - 1  # [L, N, H, Q]
+    expected = counts.mean(dim=(0, 2))  # [N, Q]
     expected = expected.masked_fill(pad, 0) if padded else expected
     assert torch.equal(masks.attended(n_layers, heads, None), expected)
+    # (layer, KV head) pairs that hold nothing are left out of the average (computed without indexing)
+    empty = torch.tensor([[False, False], [False, True], [True, False]])[:, None, :, None]  # [L, 1, H, 1]
+    over_held = counts.transpose(1, 2)[~empty[:, 0, :, 0]].mean(dim=0)  # [N, Q]
+    over_held = over_held.masked_fill(pad, 0) if padded else over_held
+    assert torch.equal(masks.attended(n_layers, heads, empty), over_held)
 
 
 def test_to_device_stages_host_values_in_pinned_memory_on_cuda():
