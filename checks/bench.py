@@ -276,10 +276,19 @@ def paired(
     return rows
 
 
-def write_paired(args: argparse.Namespace, n: int, rows: list[str], load_before: tuple) -> None:
-    """Print the paired table and, with ``--out``, write it to ``<out>/paired_B<budget>_T<n>_b<batch>.md``."""
+def machine_line(threads: int, load_before: tuple) -> str:
+    """The machine a table was measured on: cores, processor, threads, load average before and now."""
     import platform
 
+    return (
+        f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), {threads} "
+        f"threads; load average {load_before[0]:.2f} before and {os.getloadavg()[0]:.2f} after the run "
+        "(1-minute)."
+    )
+
+
+def write_paired(args: argparse.Namespace, n: int, rows: list[str], load_before: tuple) -> None:
+    """Print the paired table and, with ``--out``, write it to ``<out>/paired_B<budget>_T<n>_b<batch>.md``."""
     lines = [
         f"# Paired speed: SmolLM2-135M fp32 on CPU, {n} tokens in {args.docs} documents, B={args.budget}, "
         f"C={args.chunk}",
@@ -287,9 +296,7 @@ def write_paired(args: argparse.Namespace, n: int, rows: list[str], load_before:
         f"Command: `python checks/bench.py {' '.join(sys.argv[1:])}`: every engine run timed next to the "
         f"equal-work forward over the same documents at its batch, {args.repeats} pairs each, the order "
         "within a pair alternating.",
-        f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), {args.threads} "
-        f"threads; load average {load_before[0]:.2f} before and {os.getloadavg()[0]:.2f} after the run "
-        f"(1-minute). torch {torch.__version__}.",
+        f"{machine_line(args.threads, load_before)} torch {torch.__version__}.",
         "",
         "| run | batch | tokens/s (best) | equal work (best) | ratio, median | lowest | highest |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -332,9 +339,7 @@ def write_table(
         f"Command: `python checks/bench.py {' '.join(sys.argv[1:])}` (best of {args.repeats} "
         "interleaved rounds, each running every engine, the plain forward passes and the equal-work "
         "forward once).",
-        f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), {args.threads} "
-        f"threads; load average {load_before[0]:.2f} before and {os.getloadavg()[0]:.2f} after the run "
-        "(1-minute).",
+        machine_line(args.threads, load_before),
         f"Versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}.",
         "",

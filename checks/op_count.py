@@ -220,6 +220,7 @@ class _HostReads(TorchFunctionMode):
         if (
             func in _HOST_TO_DEVICE
             and kwargs.get("device") is not None
+            and args
             and not isinstance(args[0], torch.Tensor)
         ):
             self.counter.sync(f"torch.{func.__name__}(device=)")
