@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from rmm.policies.select import (
 )
 from rmm.recording import RecordingPlan
 from rmm.selfcheck import SelfCheck
+from rmm.timing import PassClock, StreamTime
 from rmm.transfer import to_device
 
 # observer(attn [L, H, Q, S], key_pos [L, H, S], query_pos [Q]) called after every chunk
@@ -85,6 +85,7 @@ class StreamingEngine:
         self.state_bytes = 0  # one stream's recurrent and convolutional state (measured at the first pass)
         self.constants = policy_constants(policy, facts)  # handed to every observation
         self.checked: SelfCheck | None = None
+        self.clock = PassClock(facts.device)
 
     def self_check(self, tokens: torch.Tensor) -> SelfCheck:
         """Check the engine on this model before the first scored token (:func:`rmm.selfcheck.self_check`)
@@ -207,7 +208,7 @@ class StreamingEngine:
             with integration.install(self.model):
                 while not any(stream.done for stream in rows):
                     self._pass(memory, rows)
-            outcomes = [(s.index, s.result(memory), s.wall_s) for s in rows if s.done]
+            outcomes = [(s.index, s.result(memory), s.time.seconds) for s in rows if s.done]
             rows = [None if stream.done else stream for stream in rows]
             yield from outcomes
 
@@ -254,7 +255,7 @@ class StreamingEngine:
 
     def _pass(self, memory: SlotMemory, rows: list[_Stream]) -> None:
         """One forward pass of every row's next chunk, then each stream's decision."""
-        start = time.perf_counter()
+        start = self.clock.start()
         starts = [stream.schedule[stream.step][0] for stream in rows]
         lengths = [stream.next_length for stream in rows]
         if min(lengths) < max(lengths):
@@ -295,11 +296,7 @@ class StreamingEngine:
         outcome = (token_nll.detach(), argmax == targets_t, best - runner_up)
         memory.count_attended()
         self._decide(memory, rows, outcome, scored)
-        if self.facts.device.type == "cuda":
-            torch.cuda.synchronize(self.facts.device)
-        share = (time.perf_counter() - start) / len(rows)
-        for stream in rows:
-            stream.wall_s += share
+        self.clock.stop(start, [stream.time for stream in rows])
 
     def _decide(
         self,
@@ -519,7 +516,7 @@ class _Stream:
         self.boundaries: list[int] = []
         self.decisions = torch.empty(len(self.schedule), *engine.facts.shape[:2], device=engine.facts.device)
         self.digests = torch.empty(self.decisions.shape, dtype=torch.long, device=engine.facts.device)
-        self.wall_s = 0.0
+        self.time = StreamTime()  # its share of its passes' wall time
 
     @property
     def done(self) -> bool:

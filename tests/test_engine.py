@@ -17,6 +17,7 @@ from rmm.options import POSITIONS
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
 from rmm.rotary import Rotary
+from rmm.timing import PassClock, StreamTime
 from rmm.transfer import to_device
 
 NLL_ATOL = 5e-6  # per token, fp32 (measured: 1.4e-6 for full, 2.4e-6 over the reference matrix)
@@ -311,3 +312,50 @@ def test_to_device_stages_host_values_in_pinned_memory_on_cuda():
         to_device([1, 2], torch.device("cuda", 0))
     made.assert_called_once_with([1, 2], dtype=None, pin_memory=True)
     staged.to.assert_called_once_with(torch.device("cuda", 0), non_blocking=True)
+
+
+class _FakeEvent:
+    """A CUDA timing event on a fake device clock (seconds), recording who waited on it."""
+
+    clock = 0.0
+    waited: list[_FakeEvent] = []
+
+    def __init__(self, enable_timing: bool):
+        assert enable_timing
+
+    def record(self, stream: object) -> None:
+        self.at = _FakeEvent.clock
+
+    def synchronize(self) -> None:
+        _FakeEvent.waited.append(self)
+
+    def elapsed_time(self, end: _FakeEvent) -> float:  # milliseconds, as CUDA's
+        return (end.at - self.at) * 1e3
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_pass_clock_shares_each_pass_among_its_rows_and_waits_once_per_stream(device):
+    """Each pass's time is shared equally by its rows; on CUDA it is read from events only when a stream's
+    total is asked for, with one wait (on its last pass's end), never while passes run."""
+    clock = PassClock(torch.device(device))
+    a, b, c = StreamTime(), StreamTime(), StreamTime()
+    _FakeEvent.clock, _FakeEvent.waited = 0.0, []
+    now = iter([0.0, 2.0, 2.0, 3.0, 3.0, 6.0])  # the host clock at each start and stop
+
+    def step(seconds: float) -> float:
+        _FakeEvent.clock += seconds
+        return next(now)
+
+    with (
+        mock.patch("torch.cuda.Event", _FakeEvent),
+        mock.patch("torch.cuda.current_stream"),
+        mock.patch("rmm.timing.time.perf_counter", side_effect=lambda: step(0.0)),
+    ):
+        for rows, seconds in (([a, b], 2.0), ([a], 1.0), ([a, b, c], 3.0)):
+            start = clock.start()
+            _FakeEvent.clock += seconds  # the pass's kernels run
+            clock.stop(start, rows)
+        assert _FakeEvent.waited == []
+        assert [a.seconds, b.seconds, c.seconds] == pytest.approx([1 + 1 + 1, 1 + 1, 1])
+    assert len(_FakeEvent.waited) == (3 if device == "cuda" else 0)  # once per stream, at its total
+    assert a.seconds == pytest.approx(3.0) and len(_FakeEvent.waited) == (3 if device == "cuda" else 0)
