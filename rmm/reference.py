@@ -456,6 +456,8 @@ def _reference_stream(
         "attention_sum": per_head(),  # j -> sum of a_s(j) over the queries that saw j
         "utility": per_head(),  # rmm: j -> its accumulated utility
         "auto": per_head(),  # rmm lag=auto: its arms' shadows and losses, and h2o's statistic
+        "partitions": per_head(),  # lagkv: a partition's first position -> its scores (computed once)
+        "unrotated": {"keys": per_head(), "values": per_head()},  # j -> its key or value in float64 lists
         "keys": per_head(),  # j -> key j as the model produced it (at made_at[j])
         "values": per_head(),
         "made_at": {},  # j -> the position key j was rotated at by the model
@@ -1125,11 +1127,15 @@ def _oracle_reduce(spec: ReferenceSpec, scores: list[float]) -> float:
 
 
 def _unrotated(record, source: str, layer: int, h: int, j: int) -> list[float]:
-    """Key j (rotated back from the position the model produced it at) or value j, in float64."""
-    x = record[source][layer][h][j].double()
-    if source == "keys":
-        x = rope_rotate(x[None], [-record["made_at"][j]], *record["inv_freq"][layer])[0]
-    return x.tolist()
+    """Key j (rotated back from the position the model produced it at) or value j, in float64 (computed
+    once: a key or value never changes once the model produced it)."""
+    known = record["unrotated"][source][layer][h]
+    if j not in known:
+        x = record[source][layer][h][j].double()
+        if source == "keys":
+            x = rope_rotate(x[None], [-record["made_at"][j]], *record["inv_freq"][layer])[0]
+        known[j] = x.tolist()
+    return known[j]
 
 
 def _observed_attention(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
@@ -1201,29 +1207,39 @@ def _lagkv(spec, record, layer, h, candidates, now, capacity) -> dict[int, float
     if spec.variant == "kvpress":
         return _lagkv_kvpress(spec, record, layer, h, candidates, now, capacity)
     size, sinks = spec.partition, spec.sinks
-    scores = {}
+    scores, partitions = {}, record["partitions"][layer][h]  # a partition's keys and values never change
     for j in candidates:
         k = (j - sinks) // size
         if j < sinks or sinks + (k + 2) * size > now:
             scores[j] = math.inf
             continue
-        part = range(sinks + k * size, sinks + (k + 1) * size)
-        reference = range(sinks + (k + 1) * size, sinks + (k + 2) * size)
-        scores[j] = 0.0
-        for source in ("keys", "values"):
-            rows = {i: _unrotated(record, source, layer, h, i) for i in [*part, *reference]}
-            dims = range(len(rows[j]))
-            low = [min(rows[i][c] for i in reference) for c in dims]
-            high = [max(rows[i][c] for i in reference) for c in dims]
-            spread = {}
-            for i in part:
-                normed = [(rows[i][c] - low[c]) / max(high[c] - low[c], 1e-6) for c in dims]
-                mean = math.fsum(normed) / len(normed)
-                spread[i] = math.sqrt(math.fsum((x - mean) ** 2 for x in normed) / (len(normed) - 1))
-            top = max(spread.values())
-            scores[j] += math.exp(spread[j] - top) / math.fsum(math.exp(v - top) for v in spread.values())
-        scores[j] = _significant(scores[j])
+        start = sinks + k * size
+        if start not in partitions:
+            partitions[start] = _lagkv_partition(record, layer, h, start, size)
+        scores[j] = _significant(partitions[start][j])
     return scores
+
+
+def _lagkv_partition(record, layer: int, h: int, start: int, size: int) -> dict[int, float]:
+    """Each position i of the partition [start, start + P) -> the softmax over the partition of its keys'
+    spreads plus that of its values' (each row min-max normalised by the next partition, per channel)."""
+    part, reference = range(start, start + size), range(start + size, start + 2 * size)
+    total = dict.fromkeys(part, 0.0)
+    for source in ("keys", "values"):
+        rows = {i: _unrotated(record, source, layer, h, i) for i in [*part, *reference]}
+        dims = range(len(rows[start]))
+        low = [min(rows[i][c] for i in reference) for c in dims]
+        high = [max(rows[i][c] for i in reference) for c in dims]
+        spread = {}
+        for i in part:
+            normed = [(rows[i][c] - low[c]) / max(high[c] - low[c], 1e-6) for c in dims]
+            mean = math.fsum(normed) / len(normed)
+            spread[i] = math.sqrt(math.fsum((x - mean) ** 2 for x in normed) / (len(normed) - 1))
+        top = max(spread.values())
+        denominator = math.fsum(math.exp(v - top) for v in spread.values())
+        for i in part:
+            total[i] += math.exp(spread[i] - top) / denominator
+    return total
 
 
 # ---- variant=kvpress: the scores of kvpress 0.5.5's presses on the same state (docs/semantics.md) ---------
