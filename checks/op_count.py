@@ -486,11 +486,16 @@ def table(
             goals,
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Host syncs per pass, by site", "", "| run | batch | phase | op | where | per pass |"]
-    lines.append("|---|---:|---|---|---|---:|")
-    for (run, batch), row in rows.items():
-        for (phase, op, where), n in row.sites.items():
-            lines.append(f"| {run} | {batch} | {phase} | `{op}` | `{where}` | {_number(n)} |")
+    sites = [
+        f"| {run} | {batch} | {phase} | `{op}` | `{where}` | {_number(n)} |"
+        for (run, batch), row in rows.items()
+        for (phase, op, where), n in row.sites.items()
+    ]
+    lines += ["", "## Host syncs per pass, by site", ""]
+    if sites:
+        lines += ["| run | batch | phase | op | where | per pass |", "|---|---:|---|---|---|---:|", *sites]
+    else:
+        lines.append("None: no pass of any run above waits for the device.")
     return "\n".join(lines) + "\n"
 
 

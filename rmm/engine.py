@@ -8,12 +8,13 @@ the memory holds is the stream's :class:`~rmm.recording.RecordingPlan`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from rmm import integration, selfcheck
 from rmm.errors import UnsupportedModelError
@@ -124,15 +125,24 @@ class StreamingEngine:
     def forward(self, memory: SlotMemory, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One pass of the memory's N streams: chunks ``tokens`` [N, Q] at ``position_ids`` [N, Q], row i
         over the memory's row i: logits [N, Q, V] (float32). The model's attention must be the bounded
-        attention (:func:`rmm.integration.install`)."""
-        state = {}
-        if memory.carried is not None:  # the recurrent state continues from the row's last pass
-            state = {"use_cache": True, integration.cache_keyword(self.model): memory.carried.cache}
+        attention (:func:`rmm.integration.install`). The model's own cache holds no attention entry: a
+        hybrid model's recurrent state continues there from the row's last pass; any other model gets an
+        empty one (:func:`rmm.integration.attention_free_cache`)."""
+        cache = memory.carried.cache if memory.carried is not None else self._empty_cache
+        state = {"use_cache": False} if cache is None else {"use_cache": True, self._cache_keyword: cache}
         with integration.active(memory):  # the attention function finds it there, not in kwargs
-            out = self.model(input_ids=tokens, position_ids=position_ids, **({"use_cache": False} | state))
+            out = self.model(input_ids=tokens, position_ids=position_ids, **state)
         if memory.carried is not None:
             self.state_bytes = memory.carried.bytes_per_row()
         return out.logits.float()
+
+    @functools.cached_property
+    def _empty_cache(self) -> DynamicCache | None:
+        return integration.attention_free_cache(self.model)
+
+    @functools.cached_property
+    def _cache_keyword(self) -> str:
+        return integration.cache_keyword(self.model)
 
     def new_memory(self, n_tokens: int, plan: RecordingPlan, rows: int = 1) -> SlotMemory:
         """A memory of ``rows`` streams of up to ``n_tokens`` tokens under ``plan``."""

@@ -743,6 +743,18 @@ class _AttentionFreeCache(DynamicCache):
         return key_states, value_states
 
 
+def attention_free_cache(model: PreTrainedModel) -> DynamicCache | None:
+    """An empty cache of the model's own (:class:`_AttentionFreeCache`) for the engine's passes of a model
+    that carries no state: with position ids and no cache, transformers reads the ids on the host to look
+    for packed sequences (``find_packed_sequence_indices``), which waits for the device once per pass;
+    with a cache it does not. None where transformers cannot build the model's cache from its config (the
+    pass then runs without one, as the model does by default)."""
+    try:
+        return _AttentionFreeCache(config=model.config)
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return None
+
+
 def carried_layers(model: PreTrainedModel) -> list[int]:
     """The layers whose state the model's own cache carries from token to token (recurrent or
     convolutional mixers: ``linear_attention``, ``conv``, ``hybrid`` layer types), [] for a model of

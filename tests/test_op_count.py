@@ -87,9 +87,8 @@ def test_a_missing_phase_target_names_the_table() -> None:
 
 
 @pytest.mark.parametrize("policy", ["h2o", "window"])
-def test_a_pass_makes_no_host_sync_of_its_own(policy: str) -> None:
-    """Every host sync left in a pass is the model's own (transformers'): none from the engine, its memory,
-    masks or policies, host data handed to the device (tokens, chunk starts, boundaries) included."""
-    sites = counted(policy).sites
-    assert sites, "the model's own sync is expected to be seen"
-    assert not [where for (_, _, where) in sites if where.startswith("rmm/")], sites
+def test_a_pass_makes_no_host_sync(policy: str) -> None:
+    """A pass waits for the device nowhere: not in the engine, its memory, masks or policies, host data
+    handed to the device (tokens, chunk starts, boundaries) included, and not in the model's forward
+    (transformers' check for packed sequences, skipped because the pass hands it an empty cache)."""
+    assert not counted(policy).sites
