@@ -7,9 +7,10 @@ next pass while the device still runs this one. There a pass is instead brackete
 the device's current stream, and a stream's total is read only when it is asked for (once, at the
 stream's end): the wait is then one per stream, for its last pass's end.
 
-On the device the two times differ where it idles: an event's time is the stream's, so a pass whose
-host work outlasts its kernels counts from when its first event was reached on the device to when its
-last kernel ended (host work after the last kernel is not counted, as it is not on a CPU either).
+An event's time is when the device reaches it: a pass counts from when the device reached its start
+(after the passes queued before it, or when the host recorded it if the device was idle) to when it
+reached its end (after the pass's last kernel, or when the host recorded it, whichever is later). So, as
+on a CPU, what the host does between passes while the device has nothing queued is not counted.
 """
 
 from __future__ import annotations
