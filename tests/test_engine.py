@@ -340,16 +340,11 @@ def test_pass_clock_shares_each_pass_among_its_rows_and_waits_once_per_stream(de
     clock = PassClock(torch.device(device))
     a, b, c = StreamTime(), StreamTime(), StreamTime()
     _FakeEvent.clock, _FakeEvent.waited = 0.0, []
-    now = iter([0.0, 2.0, 2.0, 3.0, 3.0, 6.0])  # the host clock at each start and stop
-
-    def step(seconds: float) -> float:
-        _FakeEvent.clock += seconds
-        return next(now)
-
+    host = [0.0, 2.0, 2.0, 3.0, 3.0, 6.0]  # the host clock at each start and stop
     with (
         mock.patch("torch.cuda.Event", _FakeEvent),
         mock.patch("torch.cuda.current_stream"),
-        mock.patch("rmm.timing.time.perf_counter", side_effect=lambda: step(0.0)),
+        mock.patch("rmm.timing.time.perf_counter", side_effect=host),
     ):
         for rows, seconds in (([a, b], 2.0), ([a], 1.0), ([a, b, c], 3.0)):
             start = clock.start()
