@@ -122,16 +122,21 @@ def scratch_parts(
     record, sinks, gradient = recording.record_attention, recording.n_sink_slots > 0, recording.track_gradient
     slots = retained + chunk
     layers_heads = arch["num_hidden_layers"] * arch["num_key_value_heads"]
-    mask = chunk * slots * BOOL * (1 if recording.rule is not None else layers_heads)
-    # the blocked mask, and the allowed one too where a position rule's is complemented (sinks, an observer)
-    per_stream = mask * (2 if sinks or (record and recording.rule is not None) else 1)
+    if recording.rule is None and record and not sinks:  # the eager path's bias: [L, H, S] and [Q, S] fp32
+        per_stream = (layers_heads + chunk) * slots * F32
+    else:  # the allowed mask, and its complement too where sinks need it
+        per_stream = chunk * slots * BOOL * (1 if recording.rule is not None else layers_heads) * (1 + sinks)
     if sinks:
         per_stream += chunk * slots * element
     if record:
         per_stream += layers_heads * chunk * slots * F32
     if gradient:
         per_stream += layers_heads * chunk * slots * F32
-    per_layer = 3 * arch["num_attention_heads"] * chunk * slots * F32 if record else 0
+    # the fp32 logits, masked logits and probabilities [n_heads, C, S], and the eager path's additive mask
+    # [H, C, S] (not kept for a backward pass, but counted with what is: an upper bound under gradients)
+    per_layer = (
+        (3 * arch["num_attention_heads"] + arch["num_key_value_heads"]) * chunk * slots * F32 if record else 0
+    )
     if gradient:  # the attended keys and values [H, S, D], concatenated with the chunk's own in the graph
         per_layer += 2 * arch["num_key_value_heads"] * slots * arch["head_dim"] * element
     if not record and arch["num_attention_heads"] > arch["num_key_value_heads"]:  # the fused call's mask,
@@ -149,13 +154,14 @@ def scratch_bytes(
     """Attention masks, the recorded attention [L, H, C, S] and fp32 attention logits of ``batch`` streams.
 
     Q is the tokens per forward pass (``recording.chunk``). Per stream: masks [Q, S] shared by all layers
-    and heads for position rules, [L, H, Q, S] for score-based policies; the blocked mask (its
-    complement) exists when attention is recorded or sinks re-rotated (a score-based policy that records
-    attention builds only the blocked one), and re-rotated sinks add an
-    additive mask [Q, S] of ``element`` bytes (the model's dtype). Recording also keeps the chunk's
-    attention [L, H, C, S] fp32. The attention runs one layer at a time for every stream at once, so
-    the fp32 logits, masked logits and probabilities [N, n_heads, C, S] (three at once) of one layer exist
-    at a time; the fused path (nothing recorded, G > 1 query heads per KV head) folds the group into the
+    and heads for position rules, [L, H, Q, S] for score-based policies, and its complement too where
+    sinks are re-rotated, which add an additive mask [Q, S] of ``element`` bytes (the model's dtype); a
+    score-based policy that records attention (without sinks) keeps the eager path's additive mask in two
+    fp32 parts instead, [L, H, S] and [Q, S] (the latter once per pass unless a row is padded: counted per
+    stream). Recording also keeps the chunk's attention [L, H, C, S] fp32. The attention runs one layer at
+    a time for every stream at once, so the fp32 logits, masked logits and probabilities [N, n_heads, C, S]
+    (three at once) and the layer's additive mask [N, H, C, S] of one layer exist at a time; the fused path
+    (nothing recorded, G > 1 query heads per KV head) folds the group into the
     mask's rows, [Q, G * S] per KV head: once per pass for position rules (and their sinks' additive mask),
     per layer otherwise. With gradient tracking (rmm's ``weight=gradient``) the backward pass keeps those
     three of every layer, with the keys and values [N, H, S, D] each layer attended (in ``element``

@@ -46,6 +46,7 @@ from transformers.cache_utils import (
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from rmm.errors import UnsupportedModelError
+from rmm.masks import additive
 from rmm.model_config import key_bias_window
 
 if TYPE_CHECKING:
@@ -342,17 +343,19 @@ def _explicit_attention(
     """The explicit path, block of rows by block: q [N, H, G, Q, D] over keys [N, H, S, D] and values
     [N, H, S, Dv] -> [N, H, G, Q, Dv], recording attention and tracking gradients as the memory asks."""
     n_kv, group, n_q = q.shape[1:4]
-    blocked = kv_memory.blocked_mask(layer)
-    hidden = ~kv_memory.allowed_mask(layer) if blocked is None else blocked  # [N, H or 1, Q, S]
     key_bias = kv_memory.key_bias_for(layer, keys.shape[1], keys.shape[2])  # [N, H, S] or None
-    if key_bias is not None:
-        hidden = _outside_keep_window(hidden, key_bias, kv_memory.keep_window)
+    if key_bias is None:
+        mask = kv_memory.eager_bias(layer)  # [N, H or 1, Q, S]
+    else:
+        blocked = kv_memory.blocked_mask(layer)
+        hidden = ~kv_memory.allowed_mask(layer) if blocked is None else blocked  # [N, H or 1, Q, S]
+        mask = additive(_outside_keep_window(hidden, key_bias, kv_memory.keep_window))
     outs = []
     for part in row_blocks(q, keys.shape[2], kv_memory.track_gradient):
         probs = _probabilities(
             q[part],
             keys[part],
-            hidden[part],
+            mask[part],
             None if sink_query is None else sink_query[part],
             kv_memory.n_sink_slots,
             scaling,
@@ -406,7 +409,7 @@ def row_blocks(query: torch.Tensor, n_slots: int, whole: bool) -> list[slice]:
 def _probabilities(
     q: torch.Tensor,
     keys: torch.Tensor,
-    hidden: torch.Tensor,
+    mask: torch.Tensor,
     sink_query: torch.Tensor | None,
     n_sinks: int,
     scaling: float,
@@ -415,9 +418,9 @@ def _probabilities(
     key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probabilities [n, H, G, Q, S] in fp32 (fp64 for an fp64 model) of queries q [n, H, G, Q, D]
-    over keys [n, H, S, D], ``hidden`` [n, H or 1, Q, S] masked out; the first ``n_sinks`` slots seen by
-    ``sink_query`` where given; logits soft-capped by ``softcap``, then ``key_bias`` [n, H, S] added; one
-    more logit per query head from ``s_aux`` [n_heads] whose probability is dropped."""
+    over keys [n, H, S, D]; the first ``n_sinks`` slots seen by ``sink_query`` where given; logits soft-capped
+    by ``softcap``, then ``key_bias`` [n, H, S] and the additive ``mask`` [n, H or 1, Q, S] (-inf: hidden)
+    added; one more logit per query head from ``s_aux`` [n_heads] whose probability is dropped."""
     wide = torch.promote_types(q.dtype, torch.float32)
     rows, n_kv, group, n_q, head_dim = q.shape
     folded = q.reshape(rows, n_kv, group * n_q, head_dim)  # the group as rows: keys are never broadcast
@@ -430,7 +433,7 @@ def _probabilities(
         logits = softcap * torch.tanh(logits / softcap)
     if key_bias is not None:
         logits.add_(key_bias[:, :, None, None].to(wide))
-    logits.masked_fill_(hidden[:, :, None], float("-inf"))
+    logits.add_(mask[:, :, None])
     if s_aux is None:  # in place where autograd does not track it (out= is not differentiable)
         return torch.softmax(logits, dim=-1, out=None if logits.requires_grad else logits)
     sinks = s_aux.to(wide).view(1, n_kv, group, 1, 1).expand(rows, -1, -1, n_q, 1)

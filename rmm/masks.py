@@ -11,6 +11,9 @@ the layer's own window). Shapes (S = R + Q slots, G query heads per KV head):
   score-based policy built directly, ``allowed`` then only if something asks for it;
 - ``other_bias``: additive [L or 1, N, H or 1, Q, S] in the model's dtype, 0 where a query may attend a
   non-sink slot, -inf on the sink slots and wherever ``allowed`` blocks (None without sinks);
+- the eager path's additive mask (:meth:`ChunkMasks.eager_bias`), for a score-based pass in two parts
+  that a layer's mask is the sum of: ``slot_bias`` [L, N, H, S] (-inf on the empty retained slots) and
+  ``chunk_bias`` [N or 1, 1, Q, S] (-inf on the chunk's later keys; a padded query sees its own slot only);
 - ``layers``: a windowed layer's own (allowed, blocked, bias), [N, H or 1, Q, S] each;
 - ``folded``: the fused path's masks with the query group folded into the rows, [N, H or 1, G * Q, S].
 """
@@ -45,6 +48,12 @@ def visible_count(allowed: torch.Tensor) -> torch.Tensor:
     return allowed.view(torch.uint8).sum(dim=-1, dtype=torch.int32).float()
 
 
+def additive(blocked: torch.Tensor) -> torch.Tensor:
+    """An additive mask, fp32: -inf where ``blocked`` (bool), 0 elsewhere. Added to finite logits it hides
+    what ``masked_fill(blocked, -inf)`` would, bit for bit, and a CPU adds far faster than it masks."""
+    return torch.where(blocked, float("-inf"), 0.0)
+
+
 def fold(mask: torch.Tensor, group: int) -> torch.Tensor:
     """A mask [N, H or 1, Q, S] repeated for each of a group's G query heads: [N, H or 1, G * Q, S]."""
     n, heads, n_q, n_slots = mask.shape
@@ -69,8 +78,11 @@ class ChunkMasks:
         self.held = torch.empty(0, dtype=torch.int32)
         self.query_pos = torch.empty(0, 0, dtype=torch.long)  # [N, Q]
         self.pad: torch.Tensor | None = None  # [N, Q] padded queries, None when every row is full
+        self.key_pos = torch.empty(0, 0, 0, 0, dtype=torch.long)  # [L, N, H, S]
         self._allowed: torch.Tensor | None = torch.empty(0, dtype=torch.bool)
         self.blocked: torch.Tensor | None = None
+        self.slot_bias: torch.Tensor | None = None
+        self.chunk_bias: torch.Tensor | None = None
         self.other_bias: torch.Tensor | None = None
         # the model's own window per layer (set by the attention function each pass; None: plain causal)
         self.windows: dict[int, LayerWindow | None] = {}
@@ -85,27 +97,32 @@ class ChunkMasks:
         pad: torch.Tensor | None,
         blocked: bool,
         sinks: bool,
+        eager: bool = False,
     ) -> None:
         """The pass's masks over the slots' ``key_pos`` [L, N, H, R + Q] for queries at ``query_pos`` [N, Q]
         (``pad`` [N, Q]: padded queries, or None); ``blocked``: keep the complement too; ``sinks``: the
-        other-slots bias too."""
+        other-slots bias too; ``eager``: the eager path's bias (:meth:`eager_bias`) will be asked for."""
         self.layers.clear()
         self.shared.clear()
         self.folded.clear()
         self.retained = key_pos.shape[-1] - query_pos.shape[1]
-        self.query_pos, self.pad = query_pos, pad
+        self.key_pos, self.query_pos, self.pad = key_pos, query_pos, pad
         # [L, N, H]: entries held across the last boundary, each before every query of the pass (what a
         # score-based pass counts its queries' attended entries from)
         if self.rule is None:
             self.held = (key_pos[..., : self.retained] >= 0).sum(dim=-1, dtype=torch.int32)
         rows = query_pos[:, None, :]  # [N, 1, Q], against key positions [..., N, H, S]
-        self._allowed = self.blocked = None
+        self._allowed = self.blocked = self.slot_bias = self.chunk_bias = None
         if self.rule is not None:
             # position rules give every layer and head they apply to the same set
             shared = key_pos[self.ruled : self.ruled + 1, :, :1]  # [1, N, 1, S]
             self._allowed = self._padded(causal(shared, rows) & self.rule(rows, shared))
         elif blocked:  # the complement alone, built directly (the allowed mask follows if asked for)
             self.blocked = self._padded(causal(key_pos, rows, hidden=True), hidden=True)
+        elif eager:  # the eager path's bias in its two parts (the allowed mask follows if asked for)
+            retained = torch.arange(key_pos.shape[-1], device=key_pos.device) < self.retained
+            self.slot_bias = additive((key_pos < 0) & retained)
+            self.chunk_bias = additive(self._padded(self._later_keys(), hidden=True))
         else:
             self._allowed = self._padded(causal(key_pos, rows))
         if blocked and self.blocked is None:
@@ -115,10 +132,31 @@ class ChunkMasks:
     @property
     def allowed(self) -> torch.Tensor:
         """bool [L or 1, N, H or 1, Q, S]: which slots each query may attend (the complement of
-        ``blocked`` where only that was built)."""
+        ``blocked`` where only that was built; built from the key positions where neither was)."""
         if self._allowed is None:
-            self._allowed = ~self.blocked
+            if self.blocked is None:
+                self._allowed = self._padded(causal(self.key_pos, self.query_pos[:, None, :]))
+            else:
+                self._allowed = ~self.blocked
         return self._allowed
+
+    def _later_keys(self) -> torch.Tensor:
+        """bool [1, 1, Q, S]: the chunk's keys after each of its queries (slot R + i holds query i's key)."""
+        n_q, n_slots = self.query_pos.shape[1], self.retained + self.query_pos.shape[1]
+        slot = torch.arange(n_slots, device=self.query_pos.device)
+        query = torch.arange(n_q, device=self.query_pos.device)
+        return (slot > self.retained + query[:, None])[None, None]
+
+    def eager_bias(self, layer: int) -> torch.Tensor:
+        """fp32 [N, H or 1, Q, S]: the layer's mask over its own KV heads as an additive bias for the eager
+        path, -inf where a query may not attend a slot, 0 where it may. In a score-based pass the sum of
+        ``slot_bias`` and ``chunk_bias``: every held entry precedes the chunk, so a query sees every held
+        retained entry and the chunk's keys up to its own."""
+        if self.slot_bias is None or layer in self.layers:
+            blocked = self.for_layer(layer, 1)
+            return additive(~self.for_layer(layer, 0) if blocked is None else blocked)
+        assert self.chunk_bias is not None
+        return self.slot_bias[layer, :, : self.layer_heads[layer], None, :] + self.chunk_bias
 
     def _padded(self, allowed: torch.Tensor, hidden: bool = False) -> torch.Tensor:
         """``allowed`` [..., N, H or 1, Q, S] with every padded query seeing its own slot only (so that
@@ -136,8 +174,7 @@ class ChunkMasks:
         -inf on the sink slots and wherever it blocks."""
         other = allowed.clone()
         other[..., : self.n_sink_slots] = False
-        bias = torch.zeros(other.shape, dtype=self.dtype, device=other.device)
-        return bias.masked_fill_(~other, float("-inf"))
+        return additive(~other).to(self.dtype)
 
     def enter_layer(self, layer: int, visible: LayerWindow | None, key_pos: torch.Tensor) -> None:
         """Apply the layer's own window ``visible`` (None: plain causal) to its masks for this pass, over the

@@ -290,9 +290,9 @@ class SlotMemory:
         reach = max(s + n - 1 for s, n in zip(starts, lengths, strict=True))
         retained_pos = self.key_pos[..., : self.retained]
         self.model_pos = self.rotations.begin(self.query_pos, retained_pos, reach)
-        blocked = self.record_attention or bool(self.n_sink_slots)
         sinks = self.rotations.sink is not None
-        self.masks.begin(self.key_pos[..., : self.retained + n_q], self.query_pos, pad, blocked, sinks)
+        key_pos = self.key_pos[..., : self.retained + n_q]
+        self.masks.begin(key_pos, self.query_pos, pad, bool(self.n_sink_slots), sinks, self.record_attention)
         return self.model_pos
 
     def _place_chunk(self, chunk_pos: torch.Tensor) -> None:
@@ -371,9 +371,14 @@ class SlotMemory:
         return self.masks.for_layer(self.sources[layer], 0)
 
     def blocked_mask(self, layer: int) -> torch.Tensor | None:
-        """The complement of :meth:`allowed_mask` (computed once per chunk where the eager path or the
-        sinks need it; None otherwise)."""
+        """The complement of :meth:`allowed_mask` (computed once per chunk where the sinks need it; None
+        otherwise)."""
         return self.masks.for_layer(self.sources[layer], 1)
+
+    def eager_bias(self, layer: int) -> torch.Tensor:
+        """fp32 [N, H or 1, Q, R + Q]: the layer's mask as an additive bias for the eager path, -inf where a
+        query may not attend a slot, 0 where it may (:meth:`rmm.masks.ChunkMasks.eager_bias`)."""
+        return self.masks.eager_bias(self.sources[layer])
 
     def other_slots_bias(self, layer: int) -> torch.Tensor:
         """Additive mask [N, H or 1, Q, R + Q] in the model's dtype: 0 where a query may attend a non-sink

@@ -112,7 +112,9 @@ def allocated(
     # a chunk past the budget: the steady state, where position rules re-rotate their sinks
     n_q = plan.slots(N_TOKENS)[1]
     query_pos = torch.arange(n_q) + (policy.budget or 0)
-    position_ids = memory.begin_chunk([policy.budget or 0] * batch, [n_q] * batch)
+    # the last of several rows a token short: a padded pass, the case the planner counts
+    lengths = [n_q] * batch if batch == 1 else [n_q] * (batch - 1) + [n_q - 1]
+    position_ids = memory.begin_chunk([policy.budget or 0] * batch, lengths)
     tokens = torch.stack([query_pos + i for i in range(batch)]) % model.config.vocab_size  # N streams
     live = LiveBytes()
     with integration.install(model), torch.enable_grad() if plan.track_gradient else torch.no_grad():
@@ -126,11 +128,21 @@ def allocated(
     m = memory
     kv = nbytes(m.keys, m.values, m.key_pos, *m.state.values())
     mk = m.masks
-    persistent = nbytes(mk._allowed, mk.blocked, mk.other_bias, m.attn, m.utility, *mk.folded.values())
+    persistent = nbytes(
+        mk._allowed,
+        mk.blocked,
+        mk.other_bias,
+        mk.slot_bias,
+        mk.chunk_bias,
+        m.attn,
+        m.utility,
+        *mk.folded.values(),
+    )
     scratch = persistent
     if logits_shapes:  # fp32 logits, masked logits and probabilities [N, n_heads, Q, S]: one layer's of
         rows, kv_heads, _, queries, slots = logits_shapes[0]  # every stream at a time, every layer's for a
         per_layer = 3 * rows * model.config.num_attention_heads * queries * slots * 4  # backward pass, where
+        per_layer += rows * kv_heads * queries * slots * 4  # the layer's additive mask (the eager path)
         if plan.track_gradient:  # the graph also keeps each layer's attended keys and values [N, H, S, D]
             keys = memory.keys
             per_layer += 2 * rows * kv_heads * slots * keys.shape[-1] * keys.element_size()
