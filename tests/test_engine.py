@@ -260,6 +260,38 @@ def test_compaction_moves_whole_slots(move_bytes, monkeypatch):
 
 
 @pytest.mark.parametrize("padded", [False, True])
+def test_the_eager_bias_hides_what_the_blocked_mask_hides(padded):
+    """A score-based pass's additive mask for the eager path, built from two small parts, is -inf exactly
+    where the blocked mask over [L, N, H, Q, S] is true and 0 elsewhere: empty retained slots, the chunk's
+    later keys, padded queries (their own slot only), and a windowed layer's own mask."""
+    from rmm.integration import Visibility
+    from rmm.masks import ChunkMasks, additive
+    from rmm.planning import recording_plan
+
+    n_layers, rows, heads, retained, n_q = 3, 2, 2, 6, 4
+    generator = torch.Generator().manual_seed(1)
+    key_pos = torch.full((n_layers, rows, heads, retained + n_q), -1)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in (n_layers, rows, heads))).tolist():
+        count = int(torch.randint(0, retained + 1, (), generator=generator))
+        kept = torch.randperm(10, generator=generator)[:count].sort().values
+        key_pos[(*index, slice(0, count))] = kept
+    query_pos = torch.tensor([10, 14])[:, None] + torch.arange(n_q)
+    pad = torch.arange(n_q) >= torch.tensor([n_q, 2])[:, None] if padded else None
+    key_pos[..., retained:] = (query_pos.masked_fill(pad, -1) if padded else query_pos)[:, None]
+    plan = recording_plan(make_policy({"name": "h2o"}, 8, n_q), "original")
+    eager, blocked = (ChunkMasks(plan, [heads] * n_layers, 0, torch.float32) for _ in range(2))
+    eager.begin(key_pos, query_pos, pad, blocked=False, sinks=False, eager=True)
+    blocked.begin(key_pos, query_pos, pad, blocked=True, sinks=False)
+    assert eager.blocked is None and eager._allowed is None  # nothing [L, N, H, Q, S] is built
+    for masks in (eager, blocked):
+        masks.enter_layer(1, Visibility(None, 5), key_pos)
+    for layer in range(n_layers):
+        expected = additive(blocked.for_layer(layer, 1) if layer != 1 else ~blocked.for_layer(layer, 0))
+        assert torch.equal(eager.eager_bias(layer), expected.expand(rows, heads, n_q, -1))
+    assert torch.equal(eager.allowed, blocked.allowed)  # built on demand, the same
+
+
+@pytest.mark.parametrize("padded", [False, True])
 def test_attended_counts_without_the_allowed_mask_equal_counting_it(padded):
     """A score-based pass counts each query's visible entries from the held ones (the allowed mask is not
     built where only its complement is needed): the same as counting the mask, a windowed layer's too,
