@@ -424,17 +424,23 @@ def _probabilities(
     wide = torch.promote_types(q.dtype, torch.float32)
     rows, n_kv, group, n_q, head_dim = q.shape
     folded = q.reshape(rows, n_kv, group * n_q, head_dim)  # the group as rows: keys are never broadcast
-    logits = torch.matmul(folded, keys.transpose(-1, -2)).to(wide).mul_(scaling)  # a fresh tensor: in place
+    logits = torch.matmul(folded, keys.transpose(-1, -2)).to(wide)  # a fresh tensor: in place
     logits = logits.view(rows, n_kv, group, n_q, -1)  # [n, H, G, Q, S]
-    if sink_query is not None:
-        sink_keys = keys[:, :, None, :n_sinks].transpose(-1, -2)
-        logits[..., :n_sinks] = torch.matmul(sink_query, sink_keys).to(wide) * scaling
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    if key_bias is not None:
-        logits.add_(key_bias[:, :, None, None].to(wide))
-    logits.add_(mask[:, :, None])
-    if s_aux is None:  # in place where autograd does not track it (out= is not differentiable)
+    if sink_query is None and softcap is None and key_bias is None:
+        # scaled and masked in one op, mask + scaling * logits: the bits of scaling, then adding 0 or -inf
+        out = None if logits.requires_grad else logits  # in place unless autograd tracks it (out= is not
+        logits = torch.add(mask[:, :, None], logits, alpha=scaling, out=out)  # differentiable)
+    else:
+        logits.mul_(scaling)
+        if sink_query is not None:
+            sink_keys = keys[:, :, None, :n_sinks].transpose(-1, -2)
+            logits[..., :n_sinks] = torch.matmul(sink_query, sink_keys).to(wide) * scaling
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        if key_bias is not None:
+            logits.add_(key_bias[:, :, None, None].to(wide))
+        logits.add_(mask[:, :, None])
+    if s_aux is None:
         return torch.softmax(logits, dim=-1, out=None if logits.requires_grad else logits)
     sinks = s_aux.to(wide).view(1, n_kv, group, 1, 1).expand(rows, -1, -1, n_q, 1)
     return torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]

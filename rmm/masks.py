@@ -12,7 +12,7 @@ the layer's own window). Shapes (S = R + Q slots, G query heads per KV head):
 - ``other_bias``: additive [L or 1, N, H or 1, Q, S] in the model's dtype, 0 where a query may attend a
   non-sink slot, -inf on the sink slots and wherever ``allowed`` blocks (None without sinks);
 - the eager path's additive mask (:meth:`ChunkMasks.eager_bias`), for a score-based pass in two parts
-  that a layer's mask is the sum of: ``slot_bias`` [L, N, H, S] (-inf on the empty retained slots) and
+  that a layer's mask is the sum of: ``slot_bias`` [L, N, H, 1, S] (-inf on the empty retained slots) and
   ``chunk_bias`` [N or 1, 1, Q, S] (-inf on the chunk's later keys; a padded query sees its own slot only);
 - ``layers``: a windowed layer's own (allowed, blocked, bias), [N, H or 1, Q, S] each;
 - ``folded``: the fused path's masks with the query group folded into the rows, [N, H or 1, G * Q, S].
@@ -121,7 +121,7 @@ class ChunkMasks:
             self.blocked = self._padded(causal(key_pos, rows, hidden=True), hidden=True)
         elif eager:  # the eager path's bias in its two parts (the allowed mask follows if asked for)
             retained = torch.arange(key_pos.shape[-1], device=key_pos.device) < self.retained
-            self.slot_bias = additive((key_pos < 0) & retained)
+            self.slot_bias = additive((key_pos < 0) & retained)[..., None, :]  # [L, N, H, 1, S]
             self.chunk_bias = additive(self._padded(self._later_keys(), hidden=True))
         else:
             self._allowed = self._padded(causal(key_pos, rows))
@@ -156,7 +156,9 @@ class ChunkMasks:
             blocked = self.for_layer(layer, 1)
             return additive(~self.for_layer(layer, 0) if blocked is None else blocked)
         assert self.chunk_bias is not None
-        return self.slot_bias[layer, :, : self.layer_heads[layer], None, :] + self.chunk_bias
+        slots = self.slot_bias[layer]  # [N, H, 1, S]
+        heads = self.layer_heads[layer]
+        return (slots[:, :heads] if slots.shape[1] > heads else slots) + self.chunk_bias
 
     def _padded(self, allowed: torch.Tensor, hidden: bool = False) -> torch.Tensor:
         """``allowed`` [..., N, H or 1, Q, S] with every padded query seeing its own slot only (so that

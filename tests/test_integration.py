@@ -26,6 +26,7 @@ from rmm import integration
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.integration import ATTENTION_NAME, bounded_attention, install, tiled_head_order
+from rmm.masks import additive
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 
@@ -318,3 +319,23 @@ def test_row_blocks_split_only_the_cpu_explicit_path():
     assert integration.row_blocks(query, slots, whole=True) == [slice(0, rows)]
     on_device = torch.zeros(rows, heads, group, n_q, dim, device="meta")  # stands for a GPU's tensor
     assert integration.row_blocks(on_device, slots, whole=False) == [slice(0, rows)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_scaling_and_masking_in_one_op_keeps_the_bits(dtype):
+    """The explicit path scales its logits and adds the additive mask in one op (mask + scaling * logits):
+    its probabilities equal scaling the logits, then hiding keys with masked_fill, bit for bit, at a
+    scaling that is no power of two."""
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, group, n_q, dim, slots = 2, 3, 2, 8, 24, 19
+    q = torch.randn(rows, heads, group, n_q, dim, generator=generator).to(dtype)
+    keys = torch.randn(rows, heads, slots, dim, generator=generator).to(dtype)
+    hidden = torch.rand(rows, heads, n_q, slots, generator=generator) < 0.4
+    hidden[..., -1] = False  # every query sees a key
+    scaling = dim**-0.5
+    probs = integration._probabilities(q, keys, additive(hidden), None, 0, scaling, None, None)
+    wide = torch.promote_types(dtype, torch.float32)
+    logits = torch.matmul(q.reshape(rows, heads, group * n_q, dim), keys.transpose(-1, -2)).to(wide)
+    logits = logits.mul_(scaling).view(rows, heads, group, n_q, slots)
+    expected = torch.softmax(logits.masked_fill(hidden[:, :, None], float("-inf")), dim=-1)
+    assert probs.dtype == wide and torch.equal(probs, expected)
