@@ -6,9 +6,9 @@ queries' positions [N, Q], then per layer as the attention function enters it (:
 the layer's own window). Shapes (S = R + Q slots, G query heads per KV head):
 
 - ``allowed``: bool [L or 1, N, H or 1, Q, S] (one layer and head where a position rule gives every
-  layer and head it applies to the same set); a padded query sees its own slot only;
-- ``blocked``: its complement, where the eager path or the sinks need it (None otherwise); for a
-  score-based policy built directly, ``allowed`` then only if something asks for it;
+  layer and head it applies to the same set); a padded query sees its own slot only; in a score-based
+  pass that builds ``blocked`` or the eager path's parts, only if something asks for it;
+- ``blocked``: its complement, where the sinks need it (None otherwise);
 - ``other_bias``: additive [L or 1, N, H or 1, Q, S] in the model's dtype, 0 where a query may attend a
   non-sink slot, -inf on the sink slots and wherever ``allowed`` blocks (None without sinks);
 - the eager path's additive mask (:meth:`ChunkMasks.eager_bias`), for a score-based pass in two parts
