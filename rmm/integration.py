@@ -347,8 +347,7 @@ def _explicit_attention(
     if key_bias is None:
         mask = kv_memory.eager_bias(layer)  # [N, H or 1, Q, S]
     else:
-        blocked = kv_memory.blocked_mask(layer)
-        hidden = ~kv_memory.allowed_mask(layer) if blocked is None else blocked  # [N, H or 1, Q, S]
+        hidden = kv_memory.blocked_mask(layer)  # [N, H or 1, Q, S]
         mask = additive(_outside_keep_window(hidden, key_bias, kv_memory.keep_window))
     outs = []
     for part in row_blocks(q, keys.shape[2], kv_memory.track_gradient):

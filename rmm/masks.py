@@ -153,8 +153,7 @@ class ChunkMasks:
         ``slot_bias`` and ``chunk_bias``: every held entry precedes the chunk, so a query sees every held
         retained entry and the chunk's keys up to its own."""
         if self.slot_bias is None or layer in self.layers:
-            blocked = self.for_layer(layer, 1)
-            return additive(~self.for_layer(layer, 0) if blocked is None else blocked)
+            return additive(self.hidden(layer))
         assert self.chunk_bias is not None
         slots = self.slot_bias[layer]  # [N, H, 1, S]
         heads = self.layer_heads[layer]
@@ -215,6 +214,12 @@ class ChunkMasks:
             mask = full[0] if full.shape[0] == 1 else full[layer]
         heads = self.layer_heads[layer]
         return mask[:, :heads] if mask is not None and mask.shape[1] > heads else mask
+
+    def hidden(self, layer: int) -> torch.Tensor:
+        """bool [N, H or 1, Q, S]: the slots each query may not attend, over the layer's own KV heads (the
+        blocked mask, or the allowed one's complement where the pass keeps no blocked mask)."""
+        blocked = self.for_layer(layer, 1)
+        return ~self.for_layer(layer, 0) if blocked is None else blocked
 
     def folded_for(self, layer: int, group: int, bias: bool = False) -> torch.Tensor:
         """The layer's allowed mask (``bias``: its other-slots bias) with the query group folded into the

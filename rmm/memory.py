@@ -370,10 +370,10 @@ class SlotMemory:
         """bool [N, H or 1, Q, R + Q]: which slots each query of the chunk may attend."""
         return self.masks.for_layer(self.sources[layer], 0)
 
-    def blocked_mask(self, layer: int) -> torch.Tensor | None:
-        """The complement of :meth:`allowed_mask` (computed once per chunk where the sinks need it; None
-        otherwise)."""
-        return self.masks.for_layer(self.sources[layer], 1)
+    def blocked_mask(self, layer: int) -> torch.Tensor:
+        """The complement of :meth:`allowed_mask` (computed once per chunk where the sinks need it, else as
+        asked for)."""
+        return self.masks.hidden(self.sources[layer])
 
     def eager_bias(self, layer: int) -> torch.Tensor:
         """fp32 [N, H or 1, Q, R + Q]: the layer's mask as an additive bias for the eager path, -inf where a

@@ -13,7 +13,9 @@ from checks.matrix import distinct_stream
 from rmm import memory as slot_memory
 from rmm.engine import StreamingEngine, top_two
 from rmm.lookahead import RequestRecorder, record_future
+from rmm.masks import ChunkMasks, additive, visible_count
 from rmm.options import POSITIONS
+from rmm.planning import recording_plan
 from rmm.policies import Observation, make_policy
 from rmm.policies.knorm import KNorm
 from rmm.rotary import Rotary
@@ -259,35 +261,49 @@ def test_compaction_moves_whole_slots(move_bytes, monkeypatch):
     assert torch.equal(tensor[..., :5, :], expected)
 
 
+N_LAYERS, ROWS, HEADS, RETAINED, N_Q = 3, 2, 2, 6, 4  # the hand-made pass of the mask tests below
+
+
+def hand_made_pass(padded: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A score-based pass by hand: key positions [L, N, H, R + Q] (each pair holding 0 to R retained
+    entries, some empty), query positions [N, Q] and, where ``padded``, the padded queries [N, Q] (row 1's
+    last two)."""
+    generator = torch.Generator().manual_seed(0)
+    held = torch.randint(0, RETAINED + 1, (N_LAYERS, ROWS, HEADS), generator=generator)
+    key_pos = torch.full((N_LAYERS, ROWS, HEADS, RETAINED + N_Q), -1)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in held.shape)).tolist():
+        count = int(held[tuple(index)])
+        kept = torch.randperm(10, generator=generator)[:count].sort().values
+        key_pos[(*index, slice(0, count))] = kept
+    query_pos = torch.tensor([10, 14])[:, None] + torch.arange(N_Q)
+    pad = torch.arange(N_Q) >= torch.tensor([N_Q, 2])[:, None] if padded else None
+    key_pos[..., RETAINED:] = (query_pos if pad is None else query_pos.masked_fill(pad, -1))[:, None]
+    return key_pos, query_pos, pad
+
+
+def hand_made_masks() -> ChunkMasks:
+    """An empty :class:`~rmm.masks.ChunkMasks` for :func:`hand_made_pass` under h2o."""
+    plan = recording_plan(make_policy({"name": "h2o"}, 8, N_Q), "original")
+    return ChunkMasks(plan, [HEADS] * N_LAYERS, 0, torch.float32)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_the_eager_bias_hides_what_the_blocked_mask_hides(padded):
     """A score-based pass's additive mask for the eager path, built from two small parts, is -inf exactly
     where the blocked mask over [L, N, H, Q, S] is true and 0 elsewhere: empty retained slots, the chunk's
     later keys, padded queries (their own slot only), and a windowed layer's own mask."""
     from rmm.integration import Visibility
-    from rmm.masks import ChunkMasks, additive
-    from rmm.planning import recording_plan
 
-    n_layers, rows, heads, retained, n_q = 3, 2, 2, 6, 4
-    generator = torch.Generator().manual_seed(1)
-    key_pos = torch.full((n_layers, rows, heads, retained + n_q), -1)
-    for index in torch.cartesian_prod(*(torch.arange(n) for n in (n_layers, rows, heads))).tolist():
-        count = int(torch.randint(0, retained + 1, (), generator=generator))
-        kept = torch.randperm(10, generator=generator)[:count].sort().values
-        key_pos[(*index, slice(0, count))] = kept
-    query_pos = torch.tensor([10, 14])[:, None] + torch.arange(n_q)
-    pad = torch.arange(n_q) >= torch.tensor([n_q, 2])[:, None] if padded else None
-    key_pos[..., retained:] = (query_pos.masked_fill(pad, -1) if padded else query_pos)[:, None]
-    plan = recording_plan(make_policy({"name": "h2o"}, 8, n_q), "original")
-    eager, blocked = (ChunkMasks(plan, [heads] * n_layers, 0, torch.float32) for _ in range(2))
+    key_pos, query_pos, pad = hand_made_pass(padded)
+    eager, blocked = hand_made_masks(), hand_made_masks()
     eager.begin(key_pos, query_pos, pad, blocked=False, sinks=False, eager=True)
     blocked.begin(key_pos, query_pos, pad, blocked=True, sinks=False)
     assert eager.blocked is None and eager._allowed is None  # nothing [L, N, H, Q, S] is built
     for masks in (eager, blocked):
         masks.enter_layer(1, Visibility(None, 5), key_pos)
-    for layer in range(n_layers):
-        expected = additive(blocked.for_layer(layer, 1) if layer != 1 else ~blocked.for_layer(layer, 0))
-        assert torch.equal(eager.eager_bias(layer), expected.expand(rows, heads, n_q, -1))
+    for layer in range(N_LAYERS):
+        expected = additive(blocked.hidden(layer))
+        assert torch.equal(eager.eager_bias(layer), expected.expand(ROWS, HEADS, N_Q, -1))
     assert torch.equal(eager.allowed, blocked.allowed)  # built on demand, the same
 
 
@@ -297,24 +313,10 @@ def test_attended_counts_without_the_allowed_mask_equal_counting_it(padded):
     built where only its complement is needed): the same as counting the mask, a windowed layer's too,
     and averaged over the (layer, KV head) pairs that hold entries where some hold none."""
     from rmm.integration import Visibility
-    from rmm.masks import ChunkMasks, visible_count
-    from rmm.planning import recording_plan
 
-    n_layers, rows, heads, retained, n_q = 3, 2, 2, 6, 4
-    generator = torch.Generator().manual_seed(0)
-    held = torch.randint(0, retained + 1, (n_layers, rows, heads), generator=generator)
-    key_pos = torch.full((n_layers, rows, heads, retained + n_q), -1)
-    for index in torch.cartesian_prod(*(torch.arange(n) for n in held.shape)).tolist():
-        count = int(held[tuple(index)])
-        kept = torch.randperm(10, generator=generator)[:count].sort().values
-        key_pos[(*index, slice(0, count))] = kept
-    start = torch.tensor([10, 14])
-    query_pos = start[:, None] + torch.arange(n_q)
-    pad = torch.arange(n_q) >= torch.tensor([n_q, 2])[:, None] if padded else None
-    key_pos[..., retained:] = query_pos.masked_fill(pad, -1)[:, None] if padded else query_pos[:, None]
-    masks = ChunkMasks(
-        recording_plan(make_policy({"name": "h2o"}, 8, n_q), "original"), [heads] * 3, 0, torch.float32
-    )
+    n_layers, heads = N_LAYERS, HEADS
+    key_pos, query_pos, pad = hand_made_pass(padded)
+    masks = hand_made_masks()
     masks.begin(key_pos, query_pos, pad, blocked=True, sinks=False)
     masks.enter_layer(1, Visibility(None, 5), key_pos)
     assert masks._allowed is None
