@@ -742,16 +742,23 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
     )
     sinks = kwargs.get("s_aux")
     if sinks is not None and weights is not None:
-        total = weights.double().sum(dim=-1, keepdim=True)
-        if torch.allclose(total, torch.ones_like(total), atol=1e-5):
-            keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-            logits = torch.matmul(query.double(), keys.double().transpose(-1, -2)) * scaling
-            if attention_mask is not None:
-                logits = logits + attention_mask[..., : keys.shape[-2]].double()
-            lse = torch.logsumexp(logits, -1, keepdim=True)
-            share = torch.sigmoid(lse - sinks.double().view(1, -1, 1, 1))
-            weights = (weights.double() * share).to(weights.dtype)
+        weights = _with_sinks(weights, query, key, attention_mask, scaling, sinks)
     return out, weights
+
+
+def _with_sinks(weights, query, key, attention_mask, scaling, sinks):
+    """Attention weights [1, heads, Q, S] as probabilities beside learned sinks [heads]: weights that leave
+    the sink out (each row sums to 1) scaled by the keys' share of the softmax's denominator."""
+    total = weights.double().sum(dim=-1, keepdim=True)
+    if not torch.allclose(total, torch.ones_like(total), atol=1e-5):
+        return weights  # the model's eager function counted the sink already
+    keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    logits = torch.matmul(query.double(), keys.double().transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        logits = logits + attention_mask[..., : keys.shape[-2]].double()
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    share = torch.sigmoid(lse - sinks.double().view(1, -1, 1, 1))
+    return (weights.double() * share).to(weights.dtype)
 
 
 def _produced_bias(layer, bias, columns, attended, queries):

@@ -11,7 +11,7 @@ import torch
 from conftest import sampled_stream, tiny_model
 from test_policies import NLL_ATOL, retained_sets
 
-from rmm.reference import ReferenceSpec, reference_stream, rope_frequencies, rope_rotate
+from rmm.reference import ReferenceSpec, _with_sinks, reference_stream, rope_frequencies, rope_rotate
 
 REFERENCE = Path(__file__).resolve().parents[1] / "rmm" / "reference.py"
 LLAMA3 = {
@@ -79,3 +79,23 @@ def test_reference_refuses_unknown_rope():
     model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(ValueError, match="no RoPE rule for rope_type 'dynamic'"):
         rope_frequencies(model.config)
+
+
+def test_attention_weights_beside_learned_sinks_are_the_keys_share():
+    """Weights that leave a learned sink out (rows summing to 1) become the keys' probabilities in a softmax
+    whose denominator holds the sink too; weights that count the sink already stay as they are."""
+    torch.manual_seed(0)
+    heads, kv_heads, n_q, n_k, dim, scaling = 4, 2, 3, 5, 8, 0.35
+    query, key = torch.randn(1, heads, n_q, dim), torch.randn(1, kv_heads, n_k, dim)
+    sinks = torch.randn(heads)
+    mask = torch.zeros(1, 1, n_q, n_k).masked_fill(torch.rand(1, 1, n_q, n_k) < 0.3, -torch.inf)
+    mask[..., 0] = 0.0  # every query sees a key
+    logits = query @ key.repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2) * scaling + mask
+    with_sink = torch.cat([logits, sinks.view(1, -1, 1, 1).expand(1, heads, n_q, 1)], dim=-1)
+    expected = with_sink.double().softmax(-1)[..., :-1]
+    plain = logits.softmax(-1)
+    got = _with_sinks(plain, query, key, mask, scaling, sinks)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-7)
+    assert float((expected.sum(-1) - 1).abs().min()) > 1e-3  # the sinks take a visible share
+    counted = expected.float()
+    assert _with_sinks(counted, query, key, mask, scaling, sinks) is counted
