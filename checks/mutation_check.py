@@ -139,11 +139,47 @@ MUTANTS = [
         "return torch.cat([kept, graph_key.detach()], dim=2), chunk_values.detach()",
         "rmm weight=gradient: the chunk's own keys and values detached (later queries' losses lost)",
     ),
+    Mutant(
+        "eager_empty_slots_seen",
+        "rmm/masks.py",
+        "self.slot_bias = additive((key_pos < 0) & retained)",
+        "self.slot_bias = additive((key_pos < -1) & retained)",
+        "eager path, score-based: the empty retained slots of a batch's shorter rows left unmasked",
+    ),
+    Mutant(
+        "chunk_sees_next_key",
+        "rmm/masks.py",
+        "return (slot > self.retained + query[:, None])[None, None]",
+        "return (slot > self.retained + query[:, None] + 1)[None, None]",
+        "eager path, score-based: each query of the chunk sees the next token's key",
+    ),
+    Mutant(
+        "compact_layer_blocks",
+        "rmm/memory.py",
+        "blocks = [(tensor[i : i + step], rows[i * per_layer : (i + step) * per_layer]) for i in starts]",
+        "blocks = [(tensor[i : i + step], rows[: step * per_layer]) for i in starts]",
+        "compaction on a CPU in blocks of layers: every block moves the first block's slots",
+    ),
+    Mutant(
+        "carried_state_not_reset",
+        "rmm/integration.py",
+        "states[index][row] = 0",
+        "states[index][row] = states[index][row]",
+        "hybrid models: a stream that takes over a batch row starts from the previous stream's state",
+    ),
+    Mutant(
+        "reference_sinks_share",
+        "rmm/reference.py",
+        "weights = _with_sinks(weights, query, key, attention_mask, scaling, sinks)",
+        "weights = weights",
+        "the reference: attention weights beside learned sinks not scaled by the keys' share",
+    ),
 ]
 
 
 def copy_repository(target: Path) -> None:
-    """Copy the files git knows (tracked and untracked, not ignored) into ``target``."""
+    """Copy the files git knows (tracked and untracked, not ignored) into ``target``, links as links (no
+    .git: the tests must not need a checkout)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -152,7 +188,10 @@ def copy_repository(target: Path) -> None:
     ).stdout.decode()
     for rel in filter(None, listed.split("\0")):
         source = ROOT / rel
-        if source.is_file():
+        if source.is_symlink():  # rmm/conf -> ../conf: a link, as git keeps it
+            (target / rel).parent.mkdir(parents=True, exist_ok=True)
+            (target / rel).symlink_to(os.readlink(source))
+        elif source.is_file():
             (target / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / rel)
 

@@ -15,7 +15,7 @@ from conftest import BF16_UNDER_EMULATED_KERNELS, SENTENCES, assert_agree, tiny_
 from hydra import compose, initialize_config_dir
 
 from checks.matrix import CASES
-from rmm import lookahead, runner, sharing
+from rmm import lookahead, provenance, runner, sharing
 from rmm.data import load_documents
 from rmm.divergence import Trace, diverge
 from rmm.engine import StreamingEngine
@@ -64,6 +64,15 @@ N_DOCS, MAX_TOKENS, BUDGET, CHUNK = 3, 40, 12, 4
 # each policy with its first case of the reference matrix
 # (sized for its B = 8 at chunks up to 5, so they fit here)
 FIRST_CASES = {name: params for name, params in reversed(CASES)}
+
+
+@pytest.fixture(autouse=True)
+def identified_code(monkeypatch):
+    """The code these runs record: a clean commit, whether or not the suite runs in a git checkout (a copy
+    without .git, as the mutation check makes, or an unpacked archive), so that what depends on known code
+    (reusing a run, the reference cache) is tested everywhere."""
+    code = provenance.Provenance("c0de" * 10, b"", provenance.package_versions())
+    monkeypatch.setattr(provenance, "_captured", code)
 
 
 @pytest.fixture(scope="module")
