@@ -144,7 +144,7 @@ MUTANTS = [
         "rmm/masks.py",
         "self.slot_bias = additive((key_pos < 0) & retained)",
         "self.slot_bias = additive((key_pos < -1) & retained)",
-        "eager path, score-based: the empty retained slots of a batch's shorter rows left unmasked",
+        "eager path, score-based: the empty retained slots left unmasked",
     ),
     Mutant(
         "chunk_sees_next_key",
@@ -173,6 +173,20 @@ MUTANTS = [
         "weights = _with_sinks(weights, query, key, attention_mask, scaling, sinks)",
         "weights = weights",
         "the reference: attention weights beside learned sinks not scaled by the keys' share",
+    ),
+    Mutant(
+        "new_stream_sees_old_entries",
+        "rmm/memory.py",
+        "self.key_pos[:, row] = -1",
+        "self.key_pos[:, row] = self.key_pos[:, row]",
+        "batch: a stream that takes over a finished stream's row attends that stream's entries",
+    ),
+    Mutant(
+        "new_stream_keeps_old_scores",
+        "rmm/memory.py",
+        "tensor[:, row] = 0",
+        "tensor[:, row] = tensor[:, row]",
+        "batch: a stream that takes over a finished stream's row starts from its accumulated scores",
     ),
 ]
 

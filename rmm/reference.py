@@ -354,17 +354,22 @@ def reference_pass(model: PreTrainedModel, tokens: torch.Tensor, context: int | 
     """(a*, w*): the reference attention float64 [L, H, n, n] (query s, key j) and the pass's own query
     weights {"correct", "prob", "uniform"} -> float64 [n] (0 for the last query's correct and prob).
 
-    Full causal attention (one plain eager forward pass), or with ``context`` = W, attention over the
-    W previous positions: this decoder under ``window`` with budget W.
+    Full causal attention (one forward pass through the model's own eager attention,
+    :func:`_eager_weights`), or with ``context`` = W, attention over the W previous positions: this decoder
+    under ``window`` with budget W.
     """
     heads = layer_heads(model)
     n_layers, n_kv = len(heads), max(heads)
     n = tokens.numel()
     if context is None or context >= n - 1:
         previous = model.config._attn_implementation
-        model.set_attn_implementation("eager")
-        out = model(tokens[None], output_attentions=True, use_cache=False)
-        model.set_attn_implementation(previous)
+        AttentionInterface.register(EAGER_WEIGHTS, _eager_weights)
+        AttentionMaskInterface.register(EAGER_WEIGHTS, AttentionMaskInterface._global_mapping["eager"])
+        model.set_attn_implementation(EAGER_WEIGHTS)
+        try:
+            out = model(tokens[None], output_attentions=True, use_cache=False)
+        finally:
+            model.set_attn_implementation(previous)
         attention = torch.zeros(n_layers, n_kv, n, n, dtype=torch.float64)  # a layer's own heads first
         sources = layer_sources(model)  # a layer reading another's cache: its attention is that layer's
         for layer, a in enumerate(out.attentions):
@@ -702,15 +707,8 @@ RAGGED_ATTENTION = "rmm_reference_ragged"
 
 def _ragged_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """The model's own eager attention over the physical cache, masked per KV head at original positions
-    (:data:`_PASS`): a shorter head's padding, the future, and what the layer's own mask function hides.
-
-    Attention weights are the probabilities the output uses: with learned sinks (``s_aux``, one more
-    logit per head in the softmax's denominator) a model whose eager function returns weights that
-    leave the sink out (summing to 1, the output scaled afterwards) has them scaled by the sink's share.
-    """
-    # the model's own module's eager function (read from the module: a decorated __init__, as the
-    # ``kernels`` package makes, has other globals)
-    eager = sys.modules[type(module).__module__].eager_attention_forward
+    (:data:`_PASS`): a shorter head's padding, the future, and what the layer's own mask function hides;
+    its weights as :func:`_eager_weights` gives them."""
     layer = module.layer_idx
     if isinstance(attention_mask, _ModelMask):
         _MASKS[layer] = attention_mask.mask_function
@@ -737,6 +735,20 @@ def _ragged_attention(module, query, key, value, attention_mask, scaling, dropou
     if bias is not None:  # the model's bias per key, each key's as its token produced it; its keep window
         bias = _produced_bias(layer, bias, columns, attended, queries)
         attention_mask = _keep_window(attention_mask + bias, bias, columns, attended, queries, module)
+    return _eager_weights(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+EAGER_WEIGHTS = "rmm_reference_eager"
+
+
+def _eager_weights(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The model's own eager attention, whose weights are the probabilities the output uses: with learned
+    sinks (``s_aux``, one more logit per head in the softmax's denominator) a model whose eager function
+    returns weights that leave the sink out (summing to 1, the output scaled afterwards) has them scaled by
+    the keys' share (:func:`_with_sinks`)."""
+    # read from the model's own module: a decorated __init__, as the ``kernels`` package makes, has other
+    # globals
+    eager = sys.modules[type(module).__module__].eager_attention_forward
     out, weights = eager(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
     )

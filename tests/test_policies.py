@@ -406,7 +406,7 @@ def test_oracle_evicts_the_furthest_requests(tiny_models, streams, arch):
     no sooner than every kept one's."""
     model, tokens = tiny_models[arch], streams[arch]
     n = tokens.numel()
-    future = reference_attention(model, tokens)  # [L, H, n, n] float64, one plain forward pass
+    future = reference_attention(model, tokens)  # [L, H, n, n] float64, one forward pass
 
     def next_request(layer, head, j, now):
         return next((s for s in range(now, n) if future[layer, head, s, j] >= 0.02), n)

@@ -11,7 +11,15 @@ import torch
 from conftest import sampled_stream, tiny_model
 from test_policies import NLL_ATOL, retained_sets
 
-from rmm.reference import ReferenceSpec, _with_sinks, reference_stream, rope_frequencies, rope_rotate
+from checks import architectures
+from rmm.reference import (
+    ReferenceSpec,
+    _with_sinks,
+    reference_attention,
+    reference_stream,
+    rope_frequencies,
+    rope_rotate,
+)
 
 REFERENCE = Path(__file__).resolve().parents[1] / "rmm" / "reference.py"
 LLAMA3 = {
@@ -99,3 +107,22 @@ def test_attention_weights_beside_learned_sinks_are_the_keys_share():
     assert float((expected.sum(-1) - 1).abs().min()) > 1e-3  # the sinks take a visible share
     counted = expected.float()
     assert _with_sinks(counted, query, key, mask, scaling, sinks) is counted
+
+
+def test_sinks_left_out_of_a_models_weights_are_in_every_reference_path():
+    """GraniteSWA's eager attention returns weights without its learned sinks' share (it scales the output
+    afterwards). The oracles' future (one forward pass) and the decoder's attention both hold the share,
+    and the engine's Belady oracle, whose requests the share moves, keeps the reference's sets."""
+    model = architectures.tiny_model("granite_swa")
+    tokens = architectures.stream_tokens(model, 40)
+    n, budget, chunk = tokens.numel(), 12, 4
+    full, windowed = reference_attention(model, tokens), reference_attention(model, tokens, n - 4)
+    seen = n - 4  # the queries that see every key in both
+    torch.testing.assert_close(full[:, :, :seen], windowed[:, :, :seen], rtol=0, atol=1e-5)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert float((group - full[:, :, :seen].sum(-1)).max()) > 0.1  # the sinks take a visible share
+    spec = ReferenceSpec(policy="oracle", budget=budget, chunk=chunk)
+    nll, _ = reference_stream(model, tokens, spec)
+    result, sets = retained_sets(model, tokens, "oracle", {}, budget=budget, chunk=chunk)
+    torch.testing.assert_close(result.nll, nll, rtol=0, atol=NLL_ATOL)
+    assert sets == {now: spec.retained_log[now] for now in sets}
