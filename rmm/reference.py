@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask
 
 
 class ReferenceSpec:
@@ -364,7 +364,7 @@ def reference_pass(model: PreTrainedModel, tokens: torch.Tensor, context: int | 
     if context is None or context >= n - 1:
         previous = model.config._attn_implementation
         AttentionInterface.register(EAGER_WEIGHTS, _eager_weights)
-        AttentionMaskInterface.register(EAGER_WEIGHTS, AttentionMaskInterface._global_mapping["eager"])
+        AttentionMaskInterface.register(EAGER_WEIGHTS, eager_mask)
         model.set_attn_implementation(EAGER_WEIGHTS)
         try:
             out = model(tokens[None], output_attentions=True, use_cache=False)
