@@ -1,4 +1,5 @@
-"""The reference's independence: its imports, its RoPE against the models' own, scaled RoPE end to end."""
+"""The reference's independence: its imports, its RoPE against the models' own, scaled RoPE end to end;
+attention beside learned sinks in both its paths."""
 
 from __future__ import annotations
 
