@@ -190,6 +190,13 @@ MUTANTS = [
         "tensor[:, row] = tensor[:, row]",
         "batch: a stream that takes over a finished stream's row starts from its accumulated scores",
     ),
+    Mutant(
+        "selfcheck_holds_first_pass",
+        "rmm/selfcheck.py",
+        "for _ in range(2):  # the first pass is not held",
+        "for _ in range(1):  # the first pass is not held",
+        "the self-check holds the stream against a process's first forward pass, which may differ",
+    ),
 ]
 
 

@@ -289,6 +289,28 @@ def test_half_precision_self_check_catches_a_missing_window(
         engine(model, "h2o", budget=24).self_check(tokens)
 
 
+def test_the_self_check_holds_the_stream_against_a_later_forward_pass(tokens):
+    """On CPU a process's first forward pass may differ from its later ones (checks/first_forward.py): the
+    self-check runs the model's own pass twice and holds the stream against the second. Here the model's
+    first call gives other logits; the check passes, and held against that first call it would fail."""
+    model = tiny_model("llama")
+    calls = []
+
+    def first_call_differs(module, args, kwargs, out):
+        calls.append(kwargs.get("input_ids", args[0] if args else None).shape)
+        if len(calls) == 1:
+            out.logits = out.logits * 1.01
+        return out
+
+    model.register_forward_hook(first_call_differs, with_kwargs=True)
+    check = engine(model, "h2o", budget=24).self_check(tokens)
+    assert check.max_abs_dnll <= check.tolerance
+    assert calls[0] == calls[1] == (1, check.probe_tokens)  # the first two calls: the model's own pass
+    first = model(tokens[None, : check.probe_tokens], use_cache=False).logits[0, :-1].float() * 1.01
+    nll = -torch.log_softmax(first, -1).gather(-1, tokens[1 : check.probe_tokens, None])[:, 0]
+    assert (nll - plain_nll(model, tokens[: check.probe_tokens])).abs().max() > 10 * check.tolerance
+
+
 def test_recurrent_layers_the_cache_cannot_carry_are_refused(monkeypatch):
     """Convolutional and recurrent layers are carried by the model's own cache (tests/test_hybrid.py);
     a cache layer the harness does not know, or a model without any attention layer, is refused before
