@@ -4,7 +4,7 @@ and prints each pass's largest per-token |dNLL| from the last one (0 where bit-i
 token where it differs, and how far the first pass's rotary tables (the module named ``rotary_emb``: cos,
 sin) are from the last pass's.
 
-    python checks/first_forward.py --processes 60
+    python -m checks.first_forward --processes 80   # from the repository root
 
 The self-check compares the stream with the model's own forward pass and runs that pass once before it
 counts (rmm/selfcheck.py): on CPU, in some processes, the first pass differs from every later one
