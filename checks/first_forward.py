@@ -23,11 +23,12 @@ import torch
 
 def child(model_name: str, n_tokens: int) -> dict[str, float | int | None]:
     """Load ``model_name`` and compare three forward passes over the same tokens."""
-    from rmm.api import load_model  # in the child only: the parent imports no model code
+    from checks.architectures import own_nll  # in the child only: the parent imports no model code
+    from rmm.api import load_model
 
     model, _ = load_model(model_name, device="cpu", dtype="float32")
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(model.config.get_text_config().vocab_size, (1, n_tokens), generator=generator)
+    tokens = torch.randint(model.config.get_text_config().vocab_size, (n_tokens,), generator=generator)
     rotary = [module for name, module in model.named_modules() if name.endswith("rotary_emb")]
     tables: list[tuple[torch.Tensor, ...]] = []  # the rotary module's outputs (cos, sin), one per pass
 
@@ -36,11 +37,7 @@ def child(model_name: str, n_tokens: int) -> dict[str, float | int | None]:
 
     if rotary:
         rotary[0].register_forward_hook(keep)
-    nll = []
-    with torch.no_grad():
-        for _ in range(3):
-            logp = torch.log_softmax(model(input_ids=tokens, use_cache=False).logits[0].float(), -1)
-            nll.append(-logp[:-1].gather(-1, tokens[0, 1:, None])[:, 0])
+    nll = [own_nll(model, tokens) for _ in range(3)]
     first, second = ((nll[i] - nll[-1]).abs() for i in (0, 1))
     differs = (first > 0).nonzero()
     cos, sin = ((float((tables[0][i] - tables[-1][i]).abs().max()) if tables else None) for i in (0, 1))
