@@ -106,8 +106,17 @@ def load_model(
     repeat = cfg.get("repeat_kv", False)
     if not isinstance(repeat, bool):
         raise ValueError(f"model.repeat_kv must be true or false, got {repeat!r}")
+    warm_vector_math()
     model, tokenizer = _load(cfg, device, dtype)
     return (repeat_kv_heads(model) if repeat else model), tokenizer
+
+
+def warm_vector_math() -> None:
+    """Make this process's first call into torch's CPU vector-math library (MKL's VML, behind cos, sin,
+    exp, ...) on one thread. Where the first call is split across threads, a worker thread has computed
+    cos at VML's low-accuracy (EP) level, up to 1.5e-4 off, in 6 of 80 fresh processes; later calls were
+    right (``python -m checks.first_forward``, docs/testing.md)."""
+    torch.zeros(1).cos()
 
 
 def _load(

@@ -12,6 +12,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 import rmm.config  # noqa: F401  (registers the OmegaConf resolvers that conf/ uses)
 from checks.matrix import ARCHITECTURES, sampled_stream, tiny_model
 from rmm.divergence import Divergence, Trace, diverge
+from rmm.models import warm_vector_math
+
+warm_vector_math()  # as rmm.models.load_model does: the suite's first VML call is no parallel one
 
 SENTENCES = [
     "shall i compare thee to a summer's day",

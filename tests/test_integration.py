@@ -311,15 +311,41 @@ def test_the_self_check_holds_the_stream_against_a_later_forward_pass(tokens):
     assert (nll - plain_nll(model, tokens[: check.probe_tokens])).abs().max() > 10 * check.tolerance
 
 
-def test_first_forward_check_compares_three_passes_of_one_process():
-    """checks/first_forward.py's child (SmolLM2-135M, 8 tokens): the second and the third of three equal
-    passes in one process are bit-identical (what the self-check relies on), and the rotary tables are
-    read from the model's ``rotary_emb`` module."""
+def test_first_forward_check_compares_three_passes_of_one_process(tmp_path):
+    """checks/first_forward.py's child (a saved tiny Llama, 8 tokens, cold and warm): the second and the
+    third of three equal passes in one process are bit-identical (what the self-check relies on), and the
+    rotary tables are read from the model's ``rotary_emb`` module."""
     from checks.first_forward import child
 
-    result = child("smollm2_135m", 8)
-    assert result["second_vs_last"] == 0.0
-    assert result["rotary_cos_first_vs_last"] is not None and result["rotary_sin_first_vs_last"] is not None
+    tiny_model("llama").save_pretrained(tmp_path)
+    for warm in (False, True):
+        result = child(str(tmp_path), 8, warm)
+        assert result["warm"] is warm and result["second_vs_last"] == 0.0
+        assert (
+            result["rotary_cos_first_vs_last"] is not None and result["rotary_sin_first_vs_last"] is not None
+        )
+
+
+def test_first_forward_check_recognises_vml_low_accuracy_cos():
+    """checks/first_forward.py tells a first pass whose cos rows are MKL VML's low-accuracy (EP) cos from one
+    whose rows differ otherwise; torch's own cos is VML's high-accuracy one where torch has VML."""
+    from checks.first_forward import _is_vml_ep, vml_cos
+
+    module = tiny_model("llama").model.rotary_emb
+    positions = torch.arange(48)[None]
+    freqs = (module.inv_freq[None, :, None].float() @ positions[:, None, :].float()).transpose(1, 2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # [1, 48, D]
+    last = angles.cos() * module.attention_scaling
+    ep = vml_cos(angles, "EP")
+    if ep is None:
+        pytest.skip("this torch build exports no MKL VML")
+    assert torch.equal(vml_cos(angles, "HA"), angles.cos()) and not torch.equal(ep, angles.cos())
+    first = last.clone()
+    first[:, 24:] = ep[:, 24:] * module.attention_scaling
+    assert _is_vml_ep(module, positions, first, last) is True
+    first[:, 24:] = last[:, 24:] + 1e-4
+    assert _is_vml_ep(module, positions, first, last) is False
+    assert _is_vml_ep(module, positions, last, last) is None
 
 
 def test_recurrent_layers_the_cache_cannot_carry_are_refused(monkeypatch):
