@@ -1,11 +1,11 @@
-"""Does a process's first forward pass give what its later ones give? The parent loads the model once and
-saves it (``save_pretrained``, a temporary directory); then ``--processes`` pairs of fresh processes each
-load it with transformers and run the same forward pass over ``--tokens`` seeded random tokens three
-times: one process as it starts (cold), the other after ``rmm.models.warm_vector_math`` (warm, as
-``rmm.models.load_model`` does). Each prints its passes' largest per-token |dNLL| from the last pass (0
-where bit-identical), the first token where the first pass differs, how far the first pass's rotary
-tables (the module named ``rotary_emb``: cos, sin) are from the last pass's, and whether the first
-pass's differing cos rows are MKL VML's low-accuracy (EP) cos of the same angles.
+"""Does a process's first forward pass give what its later ones give? ``--processes`` pairs of fresh
+processes each load the model the harness's way and run the same forward pass over ``--tokens`` seeded
+random tokens three times: one process loads it without (cold) and the other with (warm)
+``rmm.models.warm_vector_math`` first, which ``rmm.models.load_model`` calls. Each prints its passes'
+largest per-token |dNLL| from the last pass (0 where bit-identical), the first token where the first pass
+differs, how far the first pass's rotary tables (the module named ``rotary_emb``: cos, sin) are from the
+last pass's, and whether the first pass's differing cos rows are MKL VML's low-accuracy (EP) cos of the
+same angles.
 
     python -m checks.first_forward --processes 80   # from the repository root
 
@@ -20,7 +20,6 @@ import ctypes
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -63,17 +62,17 @@ def _is_vml_ep(
     return torch.equal(first[0, rows], (ep * getattr(module, "attention_scaling", 1.0))[0, rows])
 
 
-def child(directory: str, n_tokens: int, warm: bool) -> dict[str, float | int | bool | None]:
-    """Load the ``save_pretrained`` model in ``directory`` and compare three forward passes over the same
-    tokens; ``warm``: after :func:`rmm.models.warm_vector_math`."""
-    from transformers import AutoModelForCausalLM
-
+def child(model_name: str, n_tokens: int, warm: bool) -> dict[str, float | int | bool | None]:
+    """Load ``model_name`` (a shipped config) and compare three forward passes over the same tokens;
+    ``warm``: after :func:`rmm.models.warm_vector_math`."""
     from checks.architectures import own_nll  # imports rmm, which makes no call into VML on import
-    from rmm.models import warm_vector_math
+    from rmm import models
 
     if warm:
-        warm_vector_math()
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        models.warm_vector_math()
+    # load_model less its warm-up. Cold processes that loaded a saved copy of SmolLM2 with from_pretrained
+    # alone (no tokenizer, no device_map) never differed (0 of 42): the rate depends on what runs before.
+    model, _ = models._load(models.model_config(model_name), torch.device("cpu"), torch.float32)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(model.config.get_text_config().vocab_size, (n_tokens,), generator=generator)
     rotary = [module for name, module in model.named_modules() if name.endswith("rotary_emb")]
@@ -126,31 +125,20 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=60, help="pairs of processes (cold, warm)")
     parser.add_argument("--model", default="smollm2_135m")
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.tokens, args.warm)))
+        print(json.dumps(child(args.model, args.tokens, args.warm)))
         return
-    from rmm.api import load_model
-
     results: dict[bool, list[dict]] = {False: [], True: []}
-    with tempfile.TemporaryDirectory() as directory:
-        load_model(args.model, device="cpu", dtype="float32")[0].save_pretrained(directory)
-        command = [
-            sys.executable,
-            "-m",
-            "checks.first_forward",
-            "--child",
-            directory,
-            "--tokens",
-            str(args.tokens),
-        ]
-        for index in range(args.processes):
-            for warm in (False, True):
-                out = subprocess.run(command + ["--warm"] * warm, capture_output=True, text=True, check=True)
-                results[warm].append(json.loads(out.stdout.strip().splitlines()[-1]))
-                print(index, results[warm][-1], flush=True)
+    command = [sys.executable, "-m", "checks.first_forward", "--child", "--model", args.model, "--tokens"]
+    for index in range(args.processes):
+        for warm in (False, True):
+            arguments = [*command, str(args.tokens), *(["--warm"] if warm else [])]
+            out = subprocess.run(arguments, capture_output=True, text=True, check=True)
+            results[warm].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(index, results[warm][-1], flush=True)
     print(f"{args.model}, {args.tokens} tokens, {results[False][0]['threads']} threads")
     print(_summary(results[False], "cold"))
     print(_summary(results[True], "warm (rmm.models.warm_vector_math first)"))
