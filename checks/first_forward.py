@@ -70,8 +70,8 @@ def child(model_name: str, n_tokens: int, warm: bool) -> dict[str, float | int |
 
     if warm:
         models.warm_vector_math()
-    # load_model less its warm-up. Cold processes that loaded a saved copy of SmolLM2 with from_pretrained
-    # alone (no tokenizer, no device_map) never differed (0 of 42): the rate depends on what runs before.
+    # load_model less its warm-up (cold processes that loaded a saved copy with from_pretrained alone gave
+    # 0 of 42: whether what runs before the pass changes the rate is not established, docs/testing.md)
     model, _ = models._load(models.model_config(model_name), torch.device("cpu"), torch.float32)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(model.config.get_text_config().vocab_size, (n_tokens,), generator=generator)

@@ -20,13 +20,14 @@ A probe, the first tokens of the longest stream to come, goes through these chec
    pass over the probe within :data:`TOLERANCE` (max |dNLL| per token). In a run's process that pass
    is the first over the whole probe (only the rotation check's shorter ones come before it), so it
    runs twice and the first result is not held: on CPU a process's first forward pass differed from its
-   later ones in 3 of 80 processes (SmolLM2-135M, 48 tokens, 2 threads: the rotary module's cos, in the
-   second half of the rows, by up to 1.5e-4, its sin identical; per-token NLL by up to 1.0e-3 nats;
-   results/bench/first_forward.txt). Held against that first pass, a sound model failed the check at
-   random. The probe is longer than the longest window (sliding or chunked) that the stream can
-   outgrow, so the windows are exercised; a hybrid model's recurrent and convolutional state goes
-   through the passes in its own cache (the engine's memory carries it), so a state that restarted at a
-   pass would fail here.
+   later ones in some processes (SmolLM2-135M, 48 tokens, 2 threads: the rotary module's cos in the
+   second thread's rows was MKL VML's low-accuracy cos, up to 1.5e-4 off; per-token NLL by up to 1.0e-3
+   nats; results/bench/first_forward.txt). Held against that first pass, a sound model failed the check
+   at random. ``rmm.models.load_model`` now removes that cause (``warm_vector_math``); a model loaded
+   elsewhere, or a first-call effect of another kind, is still never held. The probe is longer than the
+   longest window (sliding or chunked) that the stream can outgrow, so the windows are exercised; a
+   hybrid model's recurrent and convolutional state goes through the passes in its own cache (the
+   engine's memory carries it), so a state that restarted at a pass would fail here.
 4. **Batch** (only when the engine streams more than one document per pass): the probe streamed in a
    batch of two beside its own reverse, once in each row, must give what it gives streamed alone, within
    the same tolerance; a model whose batch rows interact is refused. Only the probe, which is text, is
