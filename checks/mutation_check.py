@@ -197,6 +197,13 @@ MUTANTS = [
         "for _ in range(1):  # the first pass is not held",
         "the self-check holds the stream against a process's first forward pass, which may differ",
     ),
+    Mutant(
+        "load_without_warm_up",
+        "rmm/models.py",
+        "    warm_vector_math()\n    model, tokenizer = _load(",
+        "    model, tokenizer = _load(",
+        "load_model does not make the process's first VML call on one thread before the model loads",
+    ),
 ]
 
 

@@ -138,6 +138,15 @@ def test_local_loads_identical(tiny_model: tuple[Path, torch.nn.Module, object])
     }
 
 
+def test_load_model_warms_the_vector_math_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_model makes its one VML call before anything of the model loads (checks/first_forward.py)."""
+    calls: list[str] = []
+    monkeypatch.setattr(rmm_models, "warm_vector_math", lambda: calls.append("warm"))
+    monkeypatch.setattr(rmm_models, "_load", lambda cfg, device, dtype: calls.append("load") or (None, None))
+    load_model(OmegaConf.create({"name": "local", "source": "local", "path": "unused"}), CPU, torch.float32)
+    assert calls == ["warm", "load"]
+
+
 def test_local_casts_dtype(tiny_model: tuple[Path, torch.nn.Module, object]) -> None:
     path, _, _ = tiny_model
     model, _ = load_model({"source": "local", "path": str(path)}, CPU, torch.bfloat16)
