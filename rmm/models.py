@@ -113,9 +113,9 @@ def load_model(
 
 def warm_vector_math() -> None:
     """Make this process's first call into torch's CPU vector-math library (MKL's VML, behind cos, sin,
-    exp, ...) on one thread. Where the first call is split across threads, a worker thread has computed
-    cos at VML's low-accuracy (EP) level, up to 1.5e-4 off, in 6 of 80 fresh processes; later calls were
-    right (``python -m checks.first_forward``, docs/testing.md)."""
+    exp, ...) on one thread. Where the first call was split across threads, a worker thread computed cos
+    at VML's low-accuracy (EP) level, up to 1.5e-4 off, in some fresh processes, and later calls were
+    right (``python -m checks.first_forward``: results/bench/first_forward.txt, docs/testing.md)."""
     torch.zeros(1).cos()
 
 

@@ -312,9 +312,10 @@ def test_the_self_check_holds_the_stream_against_a_later_forward_pass(tokens):
 
 
 def test_first_forward_check_compares_three_passes_of_one_process():
-    """checks/first_forward.py's child (SmolLM2-135M, 8 tokens, cold and warm): the second and the third of
-    three equal passes in one process are bit-identical (what the self-check relies on), and the rotary
-    tables are read from the model's ``rotary_emb`` module."""
+    """checks/first_forward.py's child (SmolLM2-135M, 8 tokens, with and without its warm-up call; the
+    suite's own process is warm already, conftest.py): the second and the third of three equal passes in
+    one process are bit-identical (what the self-check relies on), and the rotary tables are read from
+    the model's ``rotary_emb`` module."""
     from checks.first_forward import child
 
     for warm in (False, True):
