@@ -172,11 +172,7 @@ def check_dataset(cfg: Mapping[str, Any] | DatasetConfig) -> DatasetConfig:
         if filler.source == "reuse":
             raise ValueError("dataset.filler cannot itself be reuse: use a text source, e.g. shakespeare")
         _check_paths(filler, "dataset.filler")
-        spec = ReuseSpec.from_config(cfg)
-        length = spec.min_length()
-        if dataset.max_tokens is not None and length > dataset.max_tokens:
-            raise ValueError(_too_long(length, dataset.max_tokens, "at least "))
-        dataset = replace(dataset, reuse=spec, filler=filler)
+        dataset = replace(dataset, reuse=ReuseSpec.from_config(cfg), filler=filler)
     return dataset
 
 
@@ -194,14 +190,6 @@ def _check_paths(dataset: DatasetConfig, prefix: str) -> None:
             f"{prefix}.local_path={dataset.local_path}: no such file or folder; point it at a downloaded "
             "mirror (parquet or JSON-lines file, or a folder of them)"
         )
-
-
-def _too_long(length: int, max_tokens: int, qualifier: str = "") -> str:
-    return (
-        f"dataset=reuse: a stream with these records and gaps is {qualifier}{length} tokens, more than "
-        f"dataset.max_tokens={max_tokens}; raise dataset.max_tokens, or lower dataset.recall_gap, "
-        "dataset.echo_gap, dataset.n_records, dataset.n_decoys or dataset.lead_tokens"
-    )
 
 
 def _filler_options(node: Mapping[str, Any] | None, n_docs: int | None) -> DatasetConfig:
@@ -240,8 +228,6 @@ def _reuse_documents(
             return np.concatenate(parts)[:n]
 
         stream = generate(dataset.reuse, vocab, filler, index)
-        if dataset.max_tokens is not None and len(stream.tokens) > dataset.max_tokens:
-            raise ValueError(_too_long(len(stream.tokens), dataset.max_tokens))
         meta = {
             "filler_doc": fillers[index % len(fillers)].doc_id,
             "period": stream.period,

@@ -65,6 +65,7 @@ class ReuseSpec:
     lead_tokens: int
     spacing: int
     seed: int
+    max_tokens: int | None = None  # dataset.max_tokens: no stream may be longer
 
     @property
     def n_total(self) -> int:
@@ -72,20 +73,32 @@ class ReuseSpec:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ReuseSpec:
-        """Check the ``dataset`` node's generator keys; every error names the key and the fix."""
+        """Check the ``dataset`` node's generator keys, and that its streams can fit ``max_tokens`` (checked
+        by the data loader); every error names the key and the fix."""
         values = {key: cfg.get(key, default) for key, default in DEFAULTS.items()}
         minimum = {"n_records": 1, "code_tokens": 1, "id_tokens": 1, "spacing": 1}
         for key, value in values.items():
             low = minimum.get(key, 0)
             if type(value) is not int or value < low:
                 raise ValueError(f"dataset.{key} must be an integer >= {low}, got {value!r}")
-        spec = cls(**values)
+        spec = cls(**values, max_tokens=cfg.get("max_tokens"))
         if len(ID_SYMBOLS) ** spec.id_tokens < spec.n_total:
             raise ValueError(
                 f"{spec.n_total} records need unique cue ids, but dataset.id_tokens={spec.id_tokens} gives "
                 f"only {len(ID_SYMBOLS) ** spec.id_tokens}; raise dataset.id_tokens"
             )
+        spec.check_fits(spec.min_length(), "at least ")
         return spec
+
+    def check_fits(self, length: int, qualifier: str = "") -> None:
+        """Refuse a stream of ``length`` tokens longer than ``max_tokens``."""
+        if self.max_tokens is not None and length > self.max_tokens:
+            raise ValueError(
+                f"dataset=reuse: a stream with these records and gaps is {qualifier}{length} tokens, "
+                f"more than dataset.max_tokens={self.max_tokens}; raise dataset.max_tokens, or lower "
+                "dataset.recall_gap, dataset.echo_gap, dataset.n_records, dataset.n_decoys or "
+                "dataset.lead_tokens"
+            )
 
     def min_length(self) -> int:
         """A lower bound on the stream length under any tokenizer (cue prefix and suffix >= 1 token each)."""
@@ -167,7 +180,8 @@ def _period(spec: ReuseSpec, event_tokens: int, decoy: Sequence[bool]) -> int:
 def generate(
     spec: ReuseSpec, vocab: Vocabulary, filler: Callable[[int], np.ndarray], index: int
 ) -> ReuseStream:
-    """Stream ``index`` of the dataset; ``filler(n)`` gives the n filler token ids (int64 [n]) it needs."""
+    """Stream ``index`` of the dataset; ``filler(n)`` gives the n filler token ids (int64 [n]) it needs.
+    Raises ValueError when it is longer than ``spec.max_tokens``."""
     rng = np.random.default_rng([spec.seed, index])
     decoy = np.zeros(spec.n_total, dtype=bool)
     decoy[rng.choice(spec.n_total, size=spec.n_decoys, replace=False)] = True
@@ -198,6 +212,7 @@ def generate(
         records.append(record)
 
     length = max(start + event_tokens for start, *_ in events)
+    spec.check_fits(length)
     tokens = np.empty(length, dtype=np.int64)
     segments = np.full(length, "filler", dtype=object)
     is_event = np.zeros(length, dtype=bool)

@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from rmm import api, provenance, sharing
 from rmm.config import CheckedRun, check_run
 from rmm.data import DatasetStats, Document, load_documents
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, configured_reference_context
-from rmm.metrics import RunTotals
 from rmm.model_config import config_facts
 from rmm.models import load_model, peek_config, resolve_device, resolve_dtype
 from rmm.planning import check_stated
 from rmm.policies import Policy, ScorePolicy
-from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete, write_run
-from rmm.tracking import Tracker, position_perplexity
+from rmm.storage import read_config, read_metrics, run_is_complete, write_run
+from rmm.tracking import Progress, Tracker, position_perplexity
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +34,7 @@ class RunSetup:
     docs: list[Document]
     data_stats: DatasetStats
     reference: ReferenceRunner | None  # the reference pass, when the policy or a diagnostic needs it
+    estimator: bool  # whether the estimator diagnostic runs (score-based policies only)
 
 
 def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None) -> dict[str, Any]:
@@ -46,7 +43,7 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None)
     what it resolved: ``checked``).
 
     With ``reuse`` (the default), a budget-free policy's run takes the results of a complete run beside
-    ``run_dir`` that differs only in the budget (:func:`rmm.sharing.find_reusable_run`), and reference
+    ``run_dir`` that differs only in the budget (:func:`rmm.sharing.reused_results`), and reference
     passes are read from and written to ``<run_dir>/../.reference`` (:class:`rmm.sharing.ReferenceCache`).
     """
     code = provenance.capture()  # the code as this process found it (run.py captured before Hydra)
@@ -54,6 +51,7 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None)
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.resume and run_is_complete(run_dir):
         return _resume(run_dir, config)
+    fields = _run_fields(cfg, config)
     if checked is None:
         checked = check_run(cfg)  # as run.py does: a call from Python fails as early
     if OmegaConf.select(cfg, "provenance.require_clean", default=False):
@@ -66,68 +64,40 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None)
         identity = sharing.reference_identity(config, facts.device, facts.dtype, environment)
         setup.reference.cache = sharing.ReferenceCache(run_dir.parent / sharing.CACHE_DIR, identity)
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
-        reused = _reused(cfg, run_dir, config, environment, setup) if reusing else None
+        machine = {"device": str(facts.device), "dtype": str(facts.dtype).removeprefix("torch.")}
+        same = (
+            config,
+            {**environment, **machine},
+            setup.policy.budget,
+            setup.docs,
+            setup.data_stats.n_skipped_short,
+        )
+        reused = sharing.reused_results(run_dir, *same) if reusing else None
         if reused is not None:
             metrics, tokens = reused
         else:
-            metrics, tokens = _stream(cfg, config, setup, tracker, environment)
+            progress = Progress(setup.data_stats.n_tokens, tracker, cfg.run_name, disable=not cfg.progress)
+            hooks = {"estimator": setup.estimator, "on_chunk": progress.chunk_hook}
+            stream_metrics, tokens = api.run_engine(setup.engine, setup.docs, setup.reference, **hooks)
+            progress.close()
+            skipped = setup.data_stats.n_skipped_short
+            metrics = {**stream_metrics, "n_skipped_short": skipped, **fields, **environment}
         write_run(run_dir, config, metrics, tokens, code_diff=code.diff)
         tracker.finish(metrics, position_perplexity(tokens))
     return metrics
 
 
-def _stream(
-    cfg: DictConfig, config: dict, setup: RunSetup, tracker: Tracker, environment: dict[str, Any]
-) -> tuple[dict[str, Any], pd.DataFrame]:
-    """Stream the documents of ``setup``: the run's metrics and per-token frame."""
-    progress = tqdm(total=setup.data_stats.n_tokens, unit="tok", disable=not cfg.progress, desc=cfg.run_name)
-    stream_metrics, tokens = api.run_engine(
-        setup.engine,
-        setup.docs,
-        setup.reference,
-        estimator=_estimating(cfg, setup.policy),
-        on_chunk=lambda totals, doc: RunningPerplexity(totals, progress, tracker),
-    )
-    progress.close()
-    metrics = {
-        **stream_metrics,
-        "n_skipped_short": setup.data_stats.n_skipped_short,
-        "model": cfg.model.name + ("_repeat_kv" if cfg.model.get("repeat_kv") else ""),  # as the run name
+def _run_fields(cfg: DictConfig, config: dict) -> dict[str, Any]:
+    """The metrics that name a run: its model (as the run name does), dataset, seed, run name, and the
+    policy's and dataset's parameters."""
+    return {
+        "model": cfg.model.name + ("_repeat_kv" if cfg.model.get("repeat_kv") else ""),
         "dataset": cfg.dataset.name,
         "seed": cfg.seed,
         "run_name": cfg.run_name,
         **_parameters(config, "policy"),
         **_parameters(config, "dataset"),
-        **environment,
     }
-    return metrics, tokens
-
-
-def _reused(
-    cfg: DictConfig, run_dir: Path, config: dict, environment: dict[str, Any], setup: RunSetup
-) -> tuple[dict[str, Any], pd.DataFrame] | None:
-    """The metrics and per-token frame of a complete run that this one would repeat exactly: its policy
-    ignores the budget, and a run beside it differs only in the budget (:func:`rmm.sharing.find_reusable_run`:
-    the same config but for the budget, the same code, machine, device and dtype) and streamed the same
-    documents, token for token. None when there is none."""
-    if cfg.budget is None or setup.policy.budget is not None:
-        return None  # the policy keeps the configured budget: its results depend on it
-    expected = {
-        **environment,
-        "device": str(setup.engine.facts.device),
-        "dtype": str(setup.engine.facts.dtype).removeprefix("torch."),
-    }
-    source = sharing.find_reusable_run(run_dir, config, expected)
-    if source is None:
-        return None
-    metrics, tokens = read_metrics(source), read_tokens(source)
-    if metrics.get("n_skipped_short") != setup.data_stats.n_skipped_short or not sharing.same_documents(
-        tokens, setup.docs
-    ):
-        return None
-    log.info("%s streams as %s did (its policy ignores the budget): reusing its results", run_dir, source)
-    origin = metrics.get(sharing.REUSED_FROM) or str(source)
-    return {**metrics, "run_name": cfg.run_name, sharing.REUSED_FROM: origin}, tokens
 
 
 def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
@@ -147,6 +117,7 @@ def build(cfg: DictConfig, checked: CheckedRun) -> RunSetup:
     and what :func:`check_run` resolved of it (``checked``). What the model's config.json alone refuses
     fails before its weights load."""
     dataset, policy, options = checked.dataset, checked.policy, checked.options
+    estimator = bool(cfg.diagnostics.estimator) and isinstance(policy, ScorePolicy)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     config = peek_config(cfg.model)
@@ -163,42 +134,15 @@ def build(cfg: DictConfig, checked: CheckedRun) -> RunSetup:
     engine = StreamingEngine(model, policy, options)
     longest = max(d.tokens.numel() for d in docs)
     reference = None
-    if policy.needs_reference or _estimating(cfg, policy):
+    if policy.needs_reference or estimator:
         context = configured_reference_context(cfg, engine.facts.dims["max_position_embeddings"], longest)
         reference = ReferenceRunner(model, cfg.oracle.tau, context)
-    return RunSetup(policy, engine, docs, data_stats, reference)
+    return RunSetup(policy, engine, docs, data_stats, reference, estimator)
 
 
 def _parameters(config: dict, group: str) -> dict[str, Any]:
     """A config group's parameters as ``<group>.<name>`` metrics (``policy.rho``, ``dataset.n_docs``)."""
     return {f"{group}.{k}": v for k, v in config[group].items() if k not in ("name", "tag")}
-
-
-def _estimating(cfg: DictConfig, policy: Policy) -> bool:
-    """Whether the estimator diagnostic runs (score-based policies only)."""
-    return bool(cfg.diagnostics.estimator) and isinstance(policy, ScorePolicy)
-
-
-class RunningPerplexity:
-    """Per-chunk progress: the bar's token count and running perplexity (logged to W&B every 512 tokens)."""
-
-    def __init__(self, totals: RunTotals, progress: tqdm, tracker: Tracker, log_every: int = 512):
-        self.totals, self.progress, self.tracker, self.log_every = totals, progress, tracker, log_every
-        self.streamed = self.n_scored = 0
-        self.last_logged = totals.n_scored
-        self.nll_sum = 0.0
-
-    def __call__(self, streamed: int, nll: torch.Tensor) -> None:
-        self.progress.update(streamed - self.streamed)
-        self.streamed = streamed
-        self.nll_sum += float(nll.sum())
-        self.n_scored += nll.numel()
-        scored = self.totals.n_scored + self.n_scored
-        ppl = math.exp((self.totals.nll_sum + self.nll_sum) / max(scored, 1))
-        self.progress.set_postfix(ppl=f"{ppl:.3f}", refresh=False)
-        if scored - self.last_logged >= self.log_every:
-            self.tracker.log_running(scored, ppl)
-            self.last_logged = scored
 
 
 def changed_keys(stored: dict, current: dict, prefix: str = "") -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ import torch
 from rmm.data import Document
 from rmm.files import atomic_path
 from rmm.future import FutureRequests
-from rmm.storage import read_config, read_metrics, run_is_complete
+from rmm.storage import read_config, read_metrics, read_tokens, run_is_complete
+
+log = logging.getLogger(__name__)
 
 # model config keys that describe the checkpoint or its installation, not what runs (as for resume)
 MODEL_OPTIONS = ("model.architecture", "model.pip", "model.assemble")
@@ -114,6 +117,32 @@ def find_reusable_run(
         if all(metrics.get(key) == value for key, value in environment.items()):
             return sibling
     return None
+
+
+def reused_results(
+    run_dir: Path,
+    config: Mapping[str, Any],
+    environment: Mapping[str, Any],
+    policy_budget: int | None,
+    docs: Sequence[Document],
+    n_skipped_short: int,
+) -> tuple[dict[str, Any], pd.DataFrame] | None:
+    """The metrics and per-token frame of a complete run that the run of ``config`` into ``run_dir`` would
+    repeat exactly: its policy ignores the budget (``policy_budget`` None while ``config`` sets one), and a
+    run beside it (:func:`find_reusable_run`: the same config but for the budget, the same ``environment``:
+    code, machine, device and dtype) streamed the same ``docs``, token for token, and skipped as many
+    short documents. None when there is none."""
+    if config.get("budget") is None or policy_budget is not None:
+        return None  # the policy keeps the configured budget: its results depend on it
+    source = find_reusable_run(run_dir, config, environment)
+    if source is None:
+        return None
+    metrics, tokens = read_metrics(source), read_tokens(source)
+    if metrics.get("n_skipped_short") != n_skipped_short or not same_documents(tokens, docs):
+        return None
+    log.info("%s streams as %s did (its policy ignores the budget): reusing its results", run_dir, source)
+    origin = metrics.get(REUSED_FROM) or str(source)
+    return {**metrics, "run_name": config.get("run_name"), REUSED_FROM: origin}, tokens
 
 
 def same_documents(tokens: pd.DataFrame, docs: Sequence[Document]) -> bool:

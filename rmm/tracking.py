@@ -1,4 +1,5 @@
-"""Experiment tracking with Weights & Biases, and the per-position perplexity summary it logs.
+"""Experiment tracking with Weights & Biases, the per-position perplexity summary it logs, and a run's
+progress bar with its running perplexity.
 
 ``Tracker`` knows nothing of policies: it logs whatever config and metrics it is given. W&B is imported only
 when the mode is not ``disabled``, so a disabled tracker neither needs W&B nor writes anything.
@@ -6,13 +7,20 @@ when the mode is not ``disabled``, so a disabled tracker neither needs W&B nor w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import torch
+
+    from rmm.metrics import RunTotals
 
 MODES = ("offline", "online", "disabled")
 POSITION_COLUMNS = ["position_bin_start", "position_bin_end", "ppl", "cum_ppl"]
@@ -113,3 +121,43 @@ class Tracker:
         traceback: TracebackType | None,
     ) -> None:
         self._close(exit_code=0 if exc_type is None else 1)
+
+
+class Progress:
+    """A run's progress: a bar over its ``total`` tokens with the running perplexity, logged to ``tracker``
+    every ``log_every`` scored tokens. :meth:`chunk_hook` is the engine's per-chunk hook for one document."""
+
+    def __init__(self, total: int, tracker: Tracker, desc: str, disable: bool = False, log_every: int = 512):
+        self.bar = tqdm(total=total, unit="tok", disable=disable, desc=desc)
+        self.tracker, self.log_every = tracker, log_every
+
+    def chunk_hook(self, totals: RunTotals, doc: object) -> RunningPerplexity:
+        """The hook for the document about to stream, after the documents ``totals`` counts."""
+        return RunningPerplexity(totals, self.bar, self.tracker, self.log_every)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class RunningPerplexity:
+    """Per-chunk progress of one document: the bar's token count and running perplexity (logged to W&B every
+    ``log_every`` tokens)."""
+
+    def __init__(self, totals: RunTotals, progress: tqdm, tracker: Tracker, log_every: int = 512):
+        self.totals, self.progress, self.tracker, self.log_every = totals, progress, tracker, log_every
+        self.streamed = self.n_scored = 0
+        self.last_logged = totals.n_scored
+        self.nll_sum = 0.0
+
+    def __call__(self, streamed: int, nll: torch.Tensor) -> None:
+        """After a chunk: ``streamed`` tokens of the document so far; ``nll`` [Q'] its scored predictions."""
+        self.progress.update(streamed - self.streamed)
+        self.streamed = streamed
+        self.nll_sum += float(nll.sum())
+        self.n_scored += nll.numel()
+        scored = self.totals.n_scored + self.n_scored
+        ppl = math.exp((self.totals.nll_sum + self.nll_sum) / max(scored, 1))
+        self.progress.set_postfix(ppl=f"{ppl:.3f}", refresh=False)
+        if scored - self.last_logged >= self.log_every:
+            self.tracker.log_running(scored, ppl)
+            self.last_logged = scored
