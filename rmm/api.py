@@ -29,7 +29,7 @@ from rmm.future import FutureRequests
 from rmm.lookahead import ReferenceRunner, no_reference_pass, reference_context
 from rmm.memory import RowView
 from rmm.metrics import PeakMemory, RunTotals, kv_cache_bytes, segment_metrics, summarize
-from rmm.models import describe_model
+from rmm.model_config import describe_model
 from rmm.options import StreamOptions
 from rmm.planning import layer_entries
 from rmm.policies import Observation, Policy, ScorePolicy, make_policy

@@ -18,10 +18,11 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rmm import integration, selfcheck
 from rmm.errors import UnsupportedModelError
+from rmm.facts import model_facts
 from rmm.memory import RowView, SlotMemory, record_gradients
 from rmm.metrics import StreamResult
 from rmm.options import StreamOptions
-from rmm.planning import model_facts, plan_stream, policy_constants
+from rmm.planning import plan_stream
 from rmm.policies import Observation, Policy
 from rmm.policies.select import (
     decision_margin,
@@ -81,10 +82,9 @@ class StreamingEngine:
     ):
         self.options = options = StreamOptions.given(options, **fields)
         self.facts = facts = model_facts(model)
-        self.plan = plan_stream(policy, options, facts)  # its recording plan, capacities and floor
+        self.plan = plan_stream(policy, options, facts)  # recording plan, capacities, floor, constants
         self.model, self.policy = model, policy
         self.state_bytes = 0  # one stream's recurrent and convolutional state (measured at the first pass)
-        self.constants = policy_constants(policy, facts)  # handed to every observation
         self.checked: SelfCheck | None = None
         self.clock = PassClock(facts.device)
 
@@ -372,7 +372,7 @@ class StreamingEngine:
                     view.query_pos,
                     **view.observed(policy.needs),
                     **own,
-                    **self.constants,
+                    **self.plan.constants,
                 )
                 policy.observe(view.state_view(), stream.obs)
             if hooks.observer is not None:

@@ -32,7 +32,8 @@ from tqdm import tqdm
 from rmm.api import reference_pass, run_engine
 from rmm.data import Document
 from rmm.engine import StreamingEngine
-from rmm.models import describe_model, load_model, model_config, resolve_device, resolve_dtype
+from rmm.model_config import describe_model
+from rmm.models import load_model, model_config, resolve_device, resolve_dtype
 from rmm.options import StreamOptions
 from rmm.policies import make_policy
 

@@ -1,14 +1,16 @@
 """What a model's (text) config states, read without its weights (the runner refuses from these before
-the weights load; :func:`rmm.planning.model_facts` reads them again from the loaded model): its attention
+the weights load; :func:`rmm.facts.model_facts` reads them again from the loaded model): its attention
 heads, multi-head latent attention, per-layer head shapes, KV sharing across layers and a keep window over a
-bias per key, gathered in :class:`ConfigFacts`.
+bias per key, gathered in :class:`ConfigFacts`; and the one number of layers, heads and head dimension the
+memory is sized by (:func:`describe_model`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from rmm.errors import UnsupportedModelError
 
@@ -131,3 +133,54 @@ def key_bias_window(config: PretrainedConfig) -> int | None:
     that it sees (Doge's dynamic mask, ``keep_window_size``); None for any other model."""
     window = getattr(config, "keep_window_size", None)
     return int(window) if window else None
+
+
+def describe_model(model: PreTrainedModel) -> dict[str, Any]:
+    """Shape facts the engine needs for its memory and KV-bytes accounting, read from the (text) config.
+
+    ``n_kv_heads`` and ``head_dim`` are those of the keys the attention function receives, and
+    ``value_head_dim`` of its values. Under multi-head latent attention (:func:`latent_attention`) those
+    are the per-head keys (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``) that the
+    model expands from its latents for every query head, and ``latent_dim`` is what its own cache keeps
+    per token and layer (``kv_lora_rank + qk_rope_head_dim``; None for other models).
+
+    Where the config keeps shapes per layer (:func:`layer_shapes`) they are the widest layer's, which the
+    slot memory holds every layer in.
+
+    Raises :class:`UnsupportedModelError` when the config states no attention heads
+    (:func:`check_attention_heads`) or not one number of layers, heads, KV heads and head dimension.
+    """
+    config = model.config.get_text_config()
+    check_attention_heads(config, f"{type(model).__name__} ({config.model_type})")
+    try:
+        n_heads = config.num_attention_heads
+        per_layer = layer_shapes(config)
+        if per_layer is not None:
+            n_kv, head_dim, value_dim = (max(shape[i] for shape in per_layer) for i in range(3))
+            latent_dim = None
+        elif latent_attention(config):
+            n_kv = n_heads
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+            value_dim = config.v_head_dim
+            latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
+        else:
+            n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+            head_dim = value_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+            latent_dim = None
+        positions = getattr(config, "max_position_embeddings", None)
+        return {
+            "n_layers": config.num_hidden_layers,
+            "n_heads": n_heads,
+            "n_kv_heads": n_kv,
+            "head_dim": head_dim,
+            "value_head_dim": value_dim,
+            "latent_dim": latent_dim,
+            "max_position_embeddings": positions if positions and positions > 0 else None,  # XLNet: -1
+            "model_type": config.model_type,
+        }
+    except Exception as err:  # a missing attribute, or one transformers refuses to give globally
+        raise UnsupportedModelError(
+            f"{type(model).__name__} ({config.model_type}) does not state one number of layers, attention "
+            f"heads and head dimension for all its layers ({type(err).__name__}: {str(err)[:160]}); the slot "
+            "memory needs them, so this model is not supported"
+        ) from err

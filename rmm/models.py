@@ -38,10 +38,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rmm.errors import UnsupportedModelError
 from rmm.files import cache_root, offline_switches
 from rmm.kv_heads import repeat_kv_heads
-from rmm.model_config import check_attention_heads, latent_attention, layer_shapes
 
 log = logging.getLogger(__name__)
 
@@ -163,57 +161,6 @@ def peek_config(cfg: Mapping[str, Any]) -> PretrainedConfig | None:
     except Exception:  # not readable without the hub or the weights: the checks run once the model loads
         return None
     return config.get_text_config()
-
-
-def describe_model(model: PreTrainedModel) -> dict[str, Any]:
-    """Shape facts the engine needs for its memory and KV-bytes accounting, read from the (text) config.
-
-    ``n_kv_heads`` and ``head_dim`` are those of the keys the attention function receives, and
-    ``value_head_dim`` of its values. Under multi-head latent attention (:func:`latent_attention`) those
-    are the per-head keys (``qk_nope_head_dim + qk_rope_head_dim``) and values (``v_head_dim``) that the
-    model expands from its latents for every query head, and ``latent_dim`` is what its own cache keeps
-    per token and layer (``kv_lora_rank + qk_rope_head_dim``; None for other models).
-
-    Where the config keeps shapes per layer (:func:`layer_shapes`) they are the widest layer's, which the
-    slot memory holds every layer in.
-
-    Raises :class:`UnsupportedModelError` when the config states no attention heads
-    (:func:`check_attention_heads`) or not one number of layers, heads, KV heads and head dimension.
-    """
-    config = model.config.get_text_config()
-    check_attention_heads(config, f"{type(model).__name__} ({config.model_type})")
-    try:
-        n_heads = config.num_attention_heads
-        per_layer = layer_shapes(config)
-        if per_layer is not None:
-            n_kv, head_dim, value_dim = (max(shape[i] for shape in per_layer) for i in range(3))
-            latent_dim = None
-        elif latent_attention(config):
-            n_kv = n_heads
-            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-            value_dim = config.v_head_dim
-            latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
-        else:
-            n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-            head_dim = value_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-            latent_dim = None
-        positions = getattr(config, "max_position_embeddings", None)
-        return {
-            "n_layers": config.num_hidden_layers,
-            "n_heads": n_heads,
-            "n_kv_heads": n_kv,
-            "head_dim": head_dim,
-            "value_head_dim": value_dim,
-            "latent_dim": latent_dim,
-            "max_position_embeddings": positions if positions and positions > 0 else None,  # XLNet: -1
-            "model_type": config.model_type,
-        }
-    except Exception as err:  # a missing attribute, or one transformers refuses to give globally
-        raise UnsupportedModelError(
-            f"{type(model).__name__} ({config.model_type}) does not state one number of layers, attention "
-            f"heads and head dimension for all its layers ({type(err).__name__}: {str(err)[:160]}); the slot "
-            "memory needs them, so this model is not supported"
-        ) from err
 
 
 ARCHITECTURE_KEYS = (

@@ -1,114 +1,24 @@
-"""Planning a stream: what the engine reads of a model once (:class:`ModelFacts`), and what a policy
-under given options may do on it (:func:`plan_stream`: every check, the recording plan, the per-head
-capacities and the adaptive floor), so that :class:`~rmm.engine.StreamingEngine` only assembles what the
-plan says. The checks that need only a config run before the weights load too (rmm/runner.py).
+"""Planning a stream: what a policy under given options may do on a model, read once into
+:class:`~rmm.facts.ModelFacts` (:func:`plan_stream`: every check, the recording plan, the per-head
+capacities, the adaptive floor and the model constants the policy reads), so that
+:class:`~rmm.engine.StreamingEngine` only assembles what the plan says. The checks that need only a config
+run before the weights load too (rmm/runner.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
 
 from rmm import integration
 from rmm.errors import UnsupportedModelError
-from rmm.model_config import ConfigFacts, config_facts
-from rmm.models import describe_model
+from rmm.facts import ModelFacts
+from rmm.model_config import ConfigFacts
 from rmm.options import StreamOptions
 from rmm.policies import Policy, PositionRule, ScorePolicy
 from rmm.policies.select import adaptive_floor, capacities, check_allocation, check_positions, retained_slots
 from rmm.recording import RecordingPlan
-from rmm.rotary import Rotary
-
-
-@dataclass
-class ModelFacts:
-    """What the engine reads of ``model`` once.
-
-    stated : what its text config states (:class:`~rmm.model_config.ConfigFacts`, with the per-layer
-    shapes read from its modules where the config states none); dims : :func:`rmm.models.describe_model`;
-    windows : per layer, the past entries its own window shows (None: all); attending : per layer,
-    whether it attends; carried : layers with recurrent or convolutional state; rotary : its
-    rotations (calibrated in place by the self-check); max_positions : the positions a stream may reach
-    (a rotary table's rows, or learned absolute positions; None: unbounded); device, dtype : its
-    parameters'.
-    """
-
-    model: PreTrainedModel
-    stated: ConfigFacts
-    dims: dict[str, Any]
-    windows: list[int | None]
-    attending: list[bool]
-    carried: list[int]
-    rotary: Rotary
-    max_positions: int | None
-    device: torch.device
-    dtype: torch.dtype
-
-    @property
-    def name(self) -> str:
-        return self.stated.name
-
-    @property
-    def config(self) -> PretrainedConfig:
-        return self.stated.config
-
-    @property
-    def sources(self) -> list[int]:
-        """Per layer, the layer whose keys and values it attends (itself, or under KV sharing the one that
-        stores them)."""
-        return self.stated.sources
-
-    @property
-    def layer_shapes(self) -> list[tuple[int, int, int]] | None:
-        """Per layer (KV heads, key and value head dimensions) where layers differ (None: one shape)."""
-        return self.stated.layer_shapes
-
-    @property
-    def holds(self) -> list[bool]:
-        """Per layer, whether it holds entries: it attends, over its own keys and values (not another
-        layer's, KV sharing)."""
-        return [a and s == i for i, (a, s) in enumerate(zip(self.attending, self.sources, strict=True))]
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(layers, KV heads, key head dimension) of the memory (the widest layer's where layers differ)."""
-        return self.dims["n_layers"], self.dims["n_kv_heads"], self.dims["head_dim"]
-
-
-def model_facts(model: PreTrainedModel) -> ModelFacts:
-    """Read ``model`` once (:class:`ModelFacts`), after refusing a model whose config says the bounded
-    attention cannot reproduce it (:func:`rmm.integration.check_model`)."""
-    dims = describe_model(model)  # one number of layers, heads and head dimension, or refused
-    config = model.config.get_text_config()
-    facts = config_facts(config, integration.name_of(model))
-    integration.check_model(model)
-    shapes = None
-    if facts.layer_shapes is None and not facts.latent:  # shapes the config does not state (MiMo-V2-Flash)
-        stated = (dims["n_kv_heads"], dims["head_dim"], dims["value_head_dim"])
-        shapes = integration.module_shapes(model, stated)
-    attends = set(integration.attention_layers(model))
-    windows, carried = integration.layer_windows(model), integration.carried_layers(model)
-    device = next(model.parameters()).device
-    rotary = Rotary(model).to(device)
-    if shapes is not None:
-        widest = (max(shape[i] for shape in shapes) for i in range(3))
-        dims = dims | dict(zip(("n_kv_heads", "head_dim", "value_head_dim"), widest, strict=True))
-        facts = replace(facts, layer_shapes=shapes)
-    return ModelFacts(
-        model=model,
-        stated=facts,
-        dims=dims,
-        windows=windows,
-        attending=[layer in attends for layer in range(config.num_hidden_layers)],
-        carried=carried,
-        rotary=rotary,
-        max_positions=rotary.max_positions if rotary.candidates else dims["max_position_embeddings"],
-        device=device,
-        dtype=next(model.parameters()).dtype,
-    )
 
 
 @dataclass(frozen=True)
@@ -118,24 +28,15 @@ class StreamPlan:
     recording : which buffers the memory holds (:class:`~rmm.recording.RecordingPlan`); capacity : the
     retained entries per (layer, KV head), an int for all, a [L, H] tensor where they differ (an
     allocation, or windowed layers the policy leaves alone), None for a position rule or no budget;
-    floor : the adaptive allocation's least per head (None otherwise)."""
+    floor : the adaptive allocation's least per head (None otherwise); constants : the model constants the
+    policy declares in its ``needs``, read once and handed to every observation (``output_projection``:
+    W_o per layer and head, :func:`rmm.integration.output_projections`; ``rotary``: the model's
+    rotations, calibrated in place by the self-check)."""
 
     recording: RecordingPlan
     capacity: int | torch.Tensor | None
     floor: int | None
-
-
-def policy_constants(policy: Policy, facts: ModelFacts) -> dict[str, object]:
-    """The model constants ``policy`` declares in its ``needs``, read once: ``output_projection`` (W_o per
-    layer and head, :func:`rmm.integration.output_projections`) and ``rotary`` (the model's rotations,
-    calibrated in place by the self-check)."""
-    needs = getattr(policy, "needs", ())
-    constants: dict[str, object] = {}
-    if "output_projection" in needs:
-        constants["output_projection"] = integration.output_projections(facts.model).to(facts.device)
-    if "rotation" in needs:
-        constants["rotary"] = facts.rotary
-    return constants
+    constants: dict[str, object]
 
 
 def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> StreamPlan:
@@ -148,6 +49,13 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
     # R is the largest per-head capacity under an allocation, and the widest window of a layer the policy
     # leaves alone (layers=global)
     recording = recording_plan(policy, positions, allocation, facts.shape[:2], scope)
+    bounded = policy.budget is not None and recording.rule is None  # a score-based policy under a budget
+    capacity: int | torch.Tensor | None = policy.capacity if bounded else None
+    floor = None
+    if bounded and allocation == "pyramid":
+        capacity = capacities(allocation, policy.capacity, policy.protected, *facts.shape[:2])
+    elif bounded and allocation == "adaptive":
+        floor = adaptive_floor(policy.capacity)
     if allocation != "uniform" and policy.budget is None:
         raise ValueError(f"allocation={allocation} needs a budget: set budget, or allocation=uniform")
     integration.check_positions(facts.model, positions)
@@ -162,20 +70,17 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
             f"positions={positions} with policy {policy.name} needs; use positions=original with a "
             "policy that reads no keys or queries"
         )
-    capacity: int | torch.Tensor | None = None
-    floor = None
-    if policy.budget is not None and recording.rule is None:  # a score-based policy
-        capacity = policy.capacity
-        if allocation == "pyramid":
-            capacity = capacities(allocation, policy.capacity, policy.protected, *facts.shape[:2])
-        elif allocation == "adaptive":
-            floor = adaptive_floor(policy.capacity)
-        if recording.exempt:  # a windowed layer keeps all its window shows
-            per_layer = torch.tensor([recording.retained if e else policy.capacity for e in recording.exempt])
-            capacity = per_layer[:, None].expand(facts.shape[:2]).clone()
+    if bounded and recording.exempt:  # a windowed layer keeps all its window shows
+        per_layer = torch.tensor([recording.retained if e else policy.capacity for e in recording.exempt])
+        capacity = per_layer[:, None].expand(facts.shape[:2]).clone()
     if isinstance(capacity, torch.Tensor):
         capacity = capacity.to(facts.device)
-    return StreamPlan(recording, capacity, floor)
+    needs, constants = getattr(policy, "needs", ()), {}
+    if "output_projection" in needs:
+        constants["output_projection"] = integration.output_projections(facts.model).to(facts.device)
+    if "rotation" in needs:
+        constants["rotary"] = facts.rotary
+    return StreamPlan(recording, capacity, floor, constants)
 
 
 def recording_plan(

@@ -187,6 +187,53 @@ class Rotary:
             found[layer] = (best.name, error)
         return found
 
+    def check(
+        self, captured: list[tuple[dict, dict]], delta: int, tolerance: float, queries: bool
+    ) -> dict[int, tuple[str, float]]:
+        """Calibrate on the model's own keys and check its queries: ``captured`` holds (keys, queries), each
+        layer -> [..., P, head_dim], at positions p and at p + ``delta`` (same inputs). With ``queries``,
+        every layer's queries must rotate by its rotation too. Returns :meth:`calibrate`'s layer -> (rotation
+        name, relative error); raises :class:`UnsupportedModelError` naming the first cause."""
+        (keys0, queries0), (keys1, queries1) = captured
+        try:
+            found = self.calibrate(keys0, keys1, delta, tolerance)
+        except UnsupportedModelError as err:
+            cause = self._queries_moved(captured, delta, tolerance)
+            if cause is None:
+                raise
+            raise cause from err
+        for layer in queries0 if queries else ():
+            error = self.error(layer, queries0[layer], queries1[layer], delta)
+            if error > tolerance:
+                raise UnsupportedModelError(
+                    f"layer {layer}'s queries at shifted positions are not its rotation of the same queries "
+                    f"(relative error {error:.3g}, tolerance {tolerance:g}): the model changes queries with "
+                    "their position beyond RoPE; use positions=original with a policy that reads no queries"
+                )
+        return found
+
+    def _queries_moved(
+        self, captured: list[tuple[dict, dict]], delta: int, tolerance: float
+    ) -> UnsupportedModelError | None:
+        """Where a layer's keys at shifted positions are no rotation of its keys: the first earlier layer
+        whose keys rotate but whose queries do not (Beam's NoPE layers scale queries by their position),
+        which makes every later layer's keys depend on absolute positions; None when there is none."""
+        (keys0, queries0), (keys1, queries1) = captured
+        for layer in keys0:
+            if self.error(layer, keys0[layer], keys1[layer], delta) > tolerance:
+                return None  # this layer's keys fail first: no earlier cause among the queries
+            error = self.error(layer, queries0[layer], queries1[layer], delta)
+            if error > tolerance:
+                return UnsupportedModelError(
+                    f"layer {layer} changes its queries with their absolute position beyond RoPE (Beam's "
+                    f"NoPE layers scale them by the position: at positions shifted by {delta} they are no "
+                    f"rotation of the same queries, relative error {error:.3g}, tolerance {tolerance:g}, "
+                    "while its keys are), so the keys of the layers after it depend on absolute positions "
+                    "and no rotation moves them to other positions; use positions=original with a policy "
+                    "that reads no keys or queries"
+                )
+        return None
+
     def error(self, layer: int, before: torch.Tensor, after: torch.Tensor, delta: int) -> float:
         """Relative error of ``layer``'s rotation by ``delta`` of ``before`` against ``after`` [..., P, D]."""
         return _error(self.layers[layer], before, after, delta)

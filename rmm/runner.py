@@ -63,25 +63,19 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None)
     if reusing and setup.reference is not None:  # its passes read from and written beside the run
         identity = sharing.reference_identity(config, facts.device, facts.dtype, environment)
         setup.reference.cache = sharing.ReferenceCache(run_dir.parent / sharing.CACHE_DIR, identity)
+    machine = {"device": str(facts.device), "dtype": str(facts.dtype).removeprefix("torch.")}
+    stats = setup.data_stats
+    same = (config, {**environment, **machine}, setup.policy.budget, setup.docs, stats.n_skipped_short)
+    reused = sharing.reused_results(run_dir, *same) if reusing else None
     with Tracker(cfg.wandb, run_dir, cfg.run_name, config) as tracker:
-        machine = {"device": str(facts.device), "dtype": str(facts.dtype).removeprefix("torch.")}
-        same = (
-            config,
-            {**environment, **machine},
-            setup.policy.budget,
-            setup.docs,
-            setup.data_stats.n_skipped_short,
-        )
-        reused = sharing.reused_results(run_dir, *same) if reusing else None
         if reused is not None:
             metrics, tokens = reused
         else:
-            progress = Progress(setup.data_stats.n_tokens, tracker, cfg.run_name, disable=not cfg.progress)
+            progress = Progress(stats.n_tokens, tracker, cfg.run_name, disable=not cfg.progress)
             hooks = {"estimator": setup.estimator, "on_chunk": progress.chunk_hook}
             stream_metrics, tokens = api.run_engine(setup.engine, setup.docs, setup.reference, **hooks)
             progress.close()
-            skipped = setup.data_stats.n_skipped_short
-            metrics = {**stream_metrics, "n_skipped_short": skipped, **fields, **environment}
+            metrics = {**stream_metrics, "n_skipped_short": stats.n_skipped_short, **fields, **environment}
         write_run(run_dir, config, metrics, tokens, code_diff=code.diff)
         tracker.finish(metrics, position_perplexity(tokens))
     return metrics

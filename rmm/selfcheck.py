@@ -72,7 +72,7 @@ ROTATION_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 
 
 
 class CheckedFacts(Protocol):
-    """What the self-check reads of the engine's model facts (:class:`rmm.planning.ModelFacts`)."""
+    """What the self-check reads of the engine's model facts (:class:`rmm.facts.ModelFacts`)."""
 
     name: str
     windows: list[int | None]
@@ -126,7 +126,8 @@ def self_check(engine: Checkable, tokens: torch.Tensor) -> SelfCheck:
     start = time.perf_counter()
     try:
         probe = tokens[: probe_length(engine, tokens.numel())].to(engine.facts.device)
-        rotations = _check_rotation(engine, probe) if _renumbers(engine) else {}
+        renumbers = _renumbers(engine)
+        rotations = _check_rotation(engine, probe) if renumbers else {}
         difference, step, in_batch = check_stream(engine, probe)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{name} failed the self-check: {err}") from err
@@ -259,29 +260,6 @@ def _renumbers(engine: Checkable) -> bool:
     return engine.plan.recording.moves_positions or cache
 
 
-def _queries_moved(
-    rotary: Rotary, captured: list[tuple[dict, dict]], tolerance: float
-) -> UnsupportedModelError | None:
-    """Where a layer's keys at shifted positions are no rotation of its keys: the first earlier layer
-    whose keys rotate but whose queries do not (Beam's NoPE layers scale queries by their position),
-    which makes every later layer's keys depend on absolute positions; None when there is none."""
-    (keys0, queries0), (keys1, queries1) = captured
-    for layer in keys0:
-        if rotary.error(layer, keys0[layer], keys1[layer], ROTATION_SHIFT) > tolerance:
-            return None  # this layer's keys fail first: no earlier cause among the queries
-        error = rotary.error(layer, queries0[layer], queries1[layer], ROTATION_SHIFT)
-        if error > tolerance:
-            return UnsupportedModelError(
-                f"layer {layer} changes its queries with their absolute position beyond RoPE (Beam's NoPE "
-                f"layers scale them by the position: at positions shifted by {ROTATION_SHIFT} they are no "
-                f"rotation of the same queries, relative error {error:.3g}, tolerance {tolerance:g}, while "
-                "its keys are), so the keys of the layers after it depend on absolute positions and no "
-                "rotation moves them to other positions; use positions=original with a policy that reads "
-                "no keys or queries"
-            )
-    return None
-
-
 def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[str, float]]:
     """Calibrate and check the engine's per-layer rotations against the model's own."""
     n = min(probe.numel(), ROTATION_TOKENS, engine.plan.recording.pass_limit or ROTATION_TOKENS)
@@ -305,24 +283,8 @@ def _check_rotation(engine: Checkable, probe: torch.Tensor) -> dict[int, tuple[s
             position_ids = memory.begin_chunk([0], [n])
             engine.forward(memory, probe[None, :n], position_ids + shift)
         captured.append((keys, queries))
-    (keys0, queries0), (keys1, queries1) = captured
     tolerance = ROTATION_TOLERANCE.get(engine.facts.dtype, 1e-3)
-    try:
-        found = engine.facts.rotary.calibrate(keys0, keys1, ROTATION_SHIFT, tolerance)
-    except UnsupportedModelError as err:
-        cause = _queries_moved(engine.facts.rotary, captured, tolerance)
-        if cause is None:
-            raise
-        raise cause from err
     recording = engine.plan.recording  # a position rule under cache positions keeps queries where they are
     renumbered = recording.rule is not None and engine.options.positions == "cache"
-    if recording.record_queries or recording.n_sink_slots or renumbered:
-        for layer in queries0:
-            error = engine.facts.rotary.error(layer, queries0[layer], queries1[layer], ROTATION_SHIFT)
-            if error > tolerance:
-                raise UnsupportedModelError(
-                    f"layer {layer}'s queries at shifted positions are not its rotation of the same queries "
-                    f"(relative error {error:.3g}, tolerance {tolerance:g}): the model changes queries with "
-                    "their position beyond RoPE; use positions=original with a policy that reads no queries"
-                )
-    return found
+    queries = recording.record_queries or bool(recording.n_sink_slots) or renumbered
+    return engine.facts.rotary.check(captured, ROTATION_SHIFT, tolerance, queries)

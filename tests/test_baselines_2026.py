@@ -55,14 +55,15 @@ def test_observation_names_a_missing_model_constant():
 def test_the_engine_hands_the_model_constants_to_the_policy(tiny_models):
     """restkv's output projection and expected_attention's rotation are read once per engine."""
     restkv = StreamingEngine(tiny_models["llama"], make_policy({"name": "restkv"}, budget=8, chunk=4))
-    assert set(restkv.constants) == {"output_projection"}
-    assert torch.equal(restkv.constants["output_projection"], output_projections(tiny_models["llama"]))
+    assert set(restkv.plan.constants) == {"output_projection"}
+    assert torch.equal(restkv.plan.constants["output_projection"], output_projections(tiny_models["llama"]))
     expected = StreamingEngine(
         tiny_models["llama"], make_policy({"name": "expected_attention"}, budget=8, chunk=4)
     )
-    assert expected.constants["rotary"] is expected.facts.rotary
+    assert expected.plan.constants["rotary"] is expected.facts.rotary
     assert (
-        StreamingEngine(tiny_models["llama"], make_policy({"name": "h2o"}, budget=8, chunk=4)).constants == {}
+        StreamingEngine(tiny_models["llama"], make_policy({"name": "h2o"}, budget=8, chunk=4)).plan.constants
+        == {}
     )
 
 

@@ -14,7 +14,8 @@ from checks.matrix import sampled_stream, tiny_model
 from rmm.engine import StreamingEngine, retained_sets_recorder
 from rmm.errors import UnsupportedModelError
 from rmm.kv_heads import repeat_kv_heads
-from rmm.models import describe_model, load_model
+from rmm.model_config import describe_model
+from rmm.models import load_model
 from rmm.policies import make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 

@@ -21,12 +21,12 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rmm import models as rmm_models
+from rmm.model_config import describe_model
 from rmm.models import (
     ARCHITECTURE_KEYS,
     ModelNotAvailableError,
     architecture,
     config_from_architecture,
-    describe_model,
     load_model,
     resolve_device,
     resolve_dtype,

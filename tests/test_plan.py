@@ -19,7 +19,8 @@ from checks import plan as planner
 from rmm import integration, runner
 from rmm.data import DatasetStats, Document
 from rmm.engine import StreamingEngine
-from rmm.models import config_from_architecture, describe_model
+from rmm.model_config import describe_model
+from rmm.models import config_from_architecture
 from rmm.policies import make_policy
 
 N_TOKENS = 48

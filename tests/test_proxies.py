@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from checks import gpu_check
 from checks.matrix import TINY, sampled_stream
 from rmm.engine import StreamingEngine
-from rmm.models import config_from_architecture, describe_model
+from rmm.model_config import describe_model
+from rmm.models import config_from_architecture
 from rmm.policies import POLICIES, make_policy
 from rmm.reference import ReferenceSpec, reference_stream
 from rmm.rotary import Rotary

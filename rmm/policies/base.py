@@ -116,7 +116,7 @@ class Observation:
         if name in self._NEED_OF:
             where = ""
             if self._NEED_OF[name] in ("output_projection", "rotation"):
-                where = " (a model constant, read once per stream: StreamingEngine.constants)"
+                where = " (a model constant, read once per stream: StreamingEngine.plan.constants)"
             raise AttributeError(
                 f"the observation has no {name!r}: add {self._NEED_OF[name]!r} to the policy's `needs`{where}"
             )

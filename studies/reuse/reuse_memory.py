@@ -32,7 +32,8 @@ from rmm.data import Document, load_documents
 from rmm.engine import StreamingEngine
 from rmm.lookahead import ReferenceRunner, no_reference_pass
 from rmm.memory import SlotMemory
-from rmm.models import describe_model, load_model, resolve_device, resolve_dtype
+from rmm.model_config import describe_model
+from rmm.models import load_model, resolve_device, resolve_dtype
 from rmm.policies import make_policy
 from rmm.storage import atomic_write_text, read_config, read_metrics, read_tokens
 
