@@ -73,8 +73,8 @@ class ReuseSpec:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ReuseSpec:
-        """Check the ``dataset`` node's generator keys, and that its streams can fit ``max_tokens`` (checked
-        by the data loader); every error names the key and the fix."""
+        """Check the ``dataset`` node's generator keys, and that a stream can fit its ``max_tokens`` (every
+        generated stream is held to it again: :func:`generate`); every error names the key and the fix."""
         values = {key: cfg.get(key, default) for key, default in DEFAULTS.items()}
         minimum = {"n_records": 1, "code_tokens": 1, "id_tokens": 1, "spacing": 1}
         for key, value in values.items():
