@@ -90,7 +90,10 @@ class StreamingEngine:
 
     def self_check(self, tokens: torch.Tensor) -> SelfCheck:
         """Check the engine on this model before the first scored token (:func:`rmm.selfcheck.self_check`)
-        with a probe from ``tokens`` [n] (the longest stream to come); refuses the model on a mismatch."""
+        with a probe from ``tokens`` [n] (the longest stream to come); refuses the model on a mismatch. It
+        runs once, and again only for a stream that needs a longer probe than the checked one
+        (:func:`rmm.selfcheck.probe_length`: a stream longer than a short first one, or one that outgrows
+        a window)."""
         limit = self.facts.max_positions
         if limit is not None and tokens.numel() > limit:
             what = "a rotary sin/cos table of" if self.facts.rotary.candidates else "learned positions up to"
@@ -98,7 +101,7 @@ class StreamingEngine:
                 f"{self.facts.name} has {what} {limit} positions, but a stream has {tokens.numel()} tokens; "
                 f"cut the documents (dataset.max_tokens<={limit}, or max_tokens=)"
             )
-        if self.checked is None:
+        if self.checked is None or selfcheck.probe_length(self, tokens.numel()) > self.checked.probe_tokens:
             self.checked = selfcheck.self_check(self, tokens)
         return self.checked
 

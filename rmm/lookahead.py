@@ -72,6 +72,14 @@ def record_future(
     return record_futures(model, [tokens], tau, context, chunk)[0]
 
 
+def reference_engine(
+    model: PreTrainedModel, context: int, chunk: int = CHUNK, batch: int = 1
+) -> StreamingEngine:
+    """The engine of a reference pass: a window of ``context`` positions in chunks of ``chunk`` tokens,
+    ``batch`` streams per forward pass."""
+    return StreamingEngine(model, Window(budget=context, chunk=min(chunk, context)), batch=batch)
+
+
 def record_futures(
     model: PreTrainedModel,
     streams: list[torch.Tensor],
@@ -79,17 +87,20 @@ def record_futures(
     context: int,
     chunk: int = CHUNK,
     batch: int = 1,
+    engine: StreamingEngine | None = None,
 ) -> list[FutureRequests]:
-    """:func:`record_future` of every stream, ``batch`` streams side by side per forward pass."""
-    window = Window(budget=context, chunk=min(chunk, context))
+    """:func:`record_future` of every stream, ``batch`` streams side by side per forward pass, through
+    ``engine`` when given (:func:`reference_engine` of the same settings, kept across calls: its self-check
+    runs once), else a new one."""
+    engine = reference_engine(model, context, chunk, batch) if engine is None else engine
     recorders = [RequestRecorder(tau) for _ in streams]
     requests = [
-        StreamRequest(tokens, window, StreamHooks(observer=recorder))
+        StreamRequest(tokens, engine.policy, StreamHooks(observer=recorder))
         for tokens, recorder in zip(streams, recorders, strict=True)
     ]
     futures: list[FutureRequests | None] = [None] * len(streams)
     no_target = torch.zeros(1)  # the last query predicts nothing
-    for index, result, _ in StreamingEngine(model, window, batch=batch).stream_many(requests):
+    for index, result, _ in engine.stream_many(requests):
         weights = {
             "correct": torch.cat([result.correct.float(), no_target]),
             "prob": torch.cat([torch.exp(-result.nll.double()).float(), no_target]),
@@ -111,6 +122,7 @@ class ReferenceRunner:
     def __init__(self, model: PreTrainedModel, tau: float, context: int, cache: ReferenceCache | None = None):
         self.model, self.tau, self.context, self.cache = model, tau, context, cache
         self.wall_s = 0.0
+        self._engines: dict[int, StreamingEngine] = {}  # batch -> the reference engine, made on first use
         self._last: tuple[torch.Tensor, FutureRequests] | None = None
         self._ahead: dict[int, tuple[torch.Tensor, FutureRequests]] = {}
 
@@ -121,7 +133,10 @@ class ReferenceRunner:
         path = self.cache.path(streams, settings) if self.cache is not None else None
         futures = self.cache.load(path) if path is not None else None
         if futures is None:
-            futures = record_futures(self.model, streams, self.tau, self.context, CHUNK, batch)
+            if batch not in self._engines:
+                self._engines[batch] = reference_engine(self.model, self.context, CHUNK, batch)
+            engine = self._engines[batch]
+            futures = record_futures(self.model, streams, self.tau, self.context, CHUNK, batch, engine=engine)
             if path is not None:
                 self.cache.store(path, futures)
         self.wall_s += time.perf_counter() - start

@@ -28,7 +28,7 @@ from checks.matrix import (
     sampled_stream,
     tiny_model,
 )
-from rmm import api
+from rmm import api, selfcheck
 from rmm.data import Document
 from rmm.divergence import NLL_BOUND, Trace
 from rmm.engine import StreamHooks, StreamingEngine, StreamRequest, StreamResult, retained_sets_recorder
@@ -187,6 +187,27 @@ def test_the_look_ahead_pass_in_a_batch_equals_alone(models):
         torch.testing.assert_close(many.mass, one.mass, rtol=0, atol=1e-6)
         for name in ("correct", "prob"):
             torch.testing.assert_close(many.query_weights[name], one.query_weights[name], rtol=0, atol=1e-6)
+
+
+def test_the_reference_runner_keeps_its_engine_and_checks_it_once(models, monkeypatch):
+    """Prefetching batch after batch, the reference runner streams them through one engine per batch size,
+    which checks itself once (its model is the same), with the futures of a new engine per call."""
+    model = models.setdefault("llama", tiny_model("llama"))
+    docs = documents(model, "oracle")
+    checks = []
+    run = selfcheck.self_check
+    monkeypatch.setattr(selfcheck, "self_check", lambda engine, t: checks.append(engine) or run(engine, t))
+    runner = ReferenceRunner(model, 0.02, 1024)
+    runner.prefetch([docs[3], docs[0]], BATCH)  # the longest first: no later stream needs a longer probe
+    runner.prefetch(docs[1:3], BATCH)
+    assert len(checks) == 1
+    runner(docs[4])  # not prefetched: alone, through the engine of batch 1
+    assert len(checks) == 2 and checks[0] is not checks[1]
+    for doc in docs:
+        one = record_future(model, doc, 0.02, 1024)  # a new engine
+        kept = runner(doc)
+        assert torch.equal(one.codes, kept.codes)
+        torch.testing.assert_close(kept.mass, one.mass, rtol=0, atol=1e-6)
 
 
 def test_evaluate_at_batch_1_and_4_agree(models):

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from checks.architectures import tiny_model as matrix_model
-from rmm import integration
+from rmm import integration, selfcheck
 from rmm.engine import StreamingEngine
 from rmm.errors import UnsupportedModelError
 from rmm.integration import ATTENTION_NAME, bounded_attention, install, tiled_head_order
@@ -287,6 +287,23 @@ def test_half_precision_self_check_catches_a_missing_window(
     )
     with pytest.raises(UnsupportedModelError, match="a pass's mean NLL"):
         engine(model, "h2o", budget=24).self_check(tokens)
+
+
+def test_the_self_check_runs_again_only_for_a_stream_that_needs_a_longer_probe(
+    windowed, tokens, monkeypatch: pytest.MonkeyPatch
+):
+    """An engine checks itself once; a later stream runs the check again only where its probe is longer
+    than the checked one (here a stream past the window, after a first one of 20 tokens)."""
+    probes = []
+    run = selfcheck.self_check
+    monkeypatch.setattr(selfcheck, "self_check", lambda e, t: probes.append(t.numel()) or run(e, t))
+    checked = engine(windowed, "h2o", budget=24)
+    first = checked.self_check(tokens[:20])
+    assert checked.self_check(tokens[:20]) is first and checked.self_check(tokens[:10]) is first
+    assert probes == [20] and first.probe_tokens == 20
+    longer = checked.self_check(tokens)
+    assert probes == [20, tokens.numel()] and longer.probe_tokens == selfcheck.probe_length(checked, 48) > 20
+    assert checked.self_check(tokens[:30]) is longer and len(probes) == 2
 
 
 def test_the_self_check_holds_the_stream_against_a_later_forward_pass(tokens):
