@@ -204,6 +204,20 @@ MUTANTS = [
         "    model, tokenizer = _load(",
         "load_model does not make the process's first VML call on one thread before the model loads",
     ),
+    Mutant(
+        "self_check_never_rerun",
+        "rmm/engine.py",
+        "selfcheck.probe_length(self, tokens.numel()) > self.checked.probe_tokens",
+        "False",
+        "an engine keeps its first self-check for a later stream that needs a longer probe",
+    ),
+    Mutant(
+        "reference_engine_per_call",
+        "rmm/lookahead.py",
+        "if batch not in self._engines:",
+        "if True:",
+        "the reference runner makes a new engine (and self-check) for every batch of documents",
+    ),
 ]
 
 

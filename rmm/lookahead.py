@@ -87,12 +87,14 @@ def record_futures(
     context: int,
     chunk: int = CHUNK,
     batch: int = 1,
-    engine: StreamingEngine | None = None,
 ) -> list[FutureRequests]:
-    """:func:`record_future` of every stream, ``batch`` streams side by side per forward pass, through
-    ``engine`` when given (:func:`reference_engine` of the same settings, kept across calls: its self-check
-    runs once), else a new one."""
-    engine = reference_engine(model, context, chunk, batch) if engine is None else engine
+    """:func:`record_future` of every stream, ``batch`` streams side by side per forward pass."""
+    return stream_futures(reference_engine(model, context, chunk, batch), streams, tau)
+
+
+def stream_futures(engine: StreamingEngine, streams: list[torch.Tensor], tau: float) -> list[FutureRequests]:
+    """The reference passes of ``streams`` through ``engine`` (a :func:`reference_engine`, which may be kept
+    across calls: it checks itself once), recording attention of at least ``tau``."""
     recorders = [RequestRecorder(tau) for _ in streams]
     requests = [
         StreamRequest(tokens, engine.policy, StreamHooks(observer=recorder))
@@ -127,7 +129,8 @@ class ReferenceRunner:
         self._ahead: dict[int, tuple[torch.Tensor, FutureRequests]] = {}
 
     def _record(self, streams: list[torch.Tensor], batch: int) -> list[FutureRequests]:
-        """:func:`record_futures` of ``streams``, through the cache when there is one; timed."""
+        """The reference passes of ``streams`` (:func:`stream_futures`), through the cache when there is
+        one; timed."""
         start = time.perf_counter()
         settings = {"tau": self.tau, "context": self.context, "chunk": CHUNK, "batch": batch}
         path = self.cache.path(streams, settings) if self.cache is not None else None
@@ -135,8 +138,7 @@ class ReferenceRunner:
         if futures is None:
             if batch not in self._engines:
                 self._engines[batch] = reference_engine(self.model, self.context, CHUNK, batch)
-            engine = self._engines[batch]
-            futures = record_futures(self.model, streams, self.tau, self.context, CHUNK, batch, engine=engine)
+            futures = stream_futures(self._engines[batch], streams, self.tau)
             if path is not None:
                 self.cache.store(path, futures)
         self.wall_s += time.perf_counter() - start

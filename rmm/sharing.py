@@ -157,7 +157,7 @@ def same_documents(tokens: pd.DataFrame, docs: Sequence[Document]) -> bool:
 
 
 class ReferenceCache:
-    """Reference passes on disk, one file per call of :func:`rmm.lookahead.record_futures` (the streams of
+    """Reference passes on disk, one file per call of :func:`rmm.lookahead.stream_futures` (the streams of
     one batch, side by side), named by the hash of all its result depends on: ``identity`` (model, dtype,
     device, seed, code and machine), the pass's settings and every stream's tokens. Written atomically."""
 

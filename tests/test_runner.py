@@ -19,7 +19,7 @@ from rmm import lookahead, provenance, runner, sharing
 from rmm.data import load_documents
 from rmm.divergence import Trace, diverge
 from rmm.engine import StreamingEngine
-from rmm.lookahead import record_future, record_futures
+from rmm.lookahead import record_future, stream_futures
 from rmm.models import load_model
 from rmm.policies import POLICIES, make_policy
 from rmm.runner import run
@@ -411,11 +411,11 @@ def test_the_reference_pass_runs_once_across_budgets(tiny_setup, tmp_path, monke
     second time); its results equal those of a run without the cache."""
     calls = []
 
-    def counted(*args, **kwargs):
-        calls.append(len(args[1]))
-        return record_futures(*args, **kwargs)
+    def counted(engine, streams, tau):
+        calls.append(len(streams))
+        return stream_futures(engine, streams, tau)
 
-    monkeypatch.setattr(lookahead, "record_futures", counted)
+    monkeypatch.setattr(lookahead, "stream_futures", counted)
     for budget in (12, 16):
         metrics = run(config(tiny_setup, "policy=oracle", f"budget={budget}"), tmp_path / f"B{budget}")
         assert metrics["reference_wall_s"] > 0
