@@ -191,7 +191,8 @@ def test_the_look_ahead_pass_in_a_batch_equals_alone(models):
 
 def test_the_reference_runner_keeps_its_engine_and_checks_it_once(models, monkeypatch):
     """Prefetching batch after batch, the reference runner streams them through one engine per batch size,
-    which checks itself once (its model is the same), with the futures of a new engine per call."""
+    which checks itself once (its model is the same), with the futures of a new engine per call of the same
+    streams (the same shapes: exactly)."""
     model = models.setdefault("llama", tiny_model("llama"))
     docs = documents(model, "oracle")
     checks = []
@@ -203,11 +204,11 @@ def test_the_reference_runner_keeps_its_engine_and_checks_it_once(models, monkey
     assert len(checks) == 1
     runner(docs[4])  # not prefetched: alone, through the engine of batch 1
     assert len(checks) == 2 and checks[0] is not checks[1]
-    for doc in docs:
-        one = record_future(model, doc, 0.02, 1024)  # a new engine
+    batches = [[docs[3], docs[0]], docs[1:3], docs[4:]]
+    fresh = [future for b in batches for future in record_futures(model, b, 0.02, 1024, batch=BATCH)]
+    for doc, new in zip([doc for b in batches for doc in b], fresh, strict=True):
         kept = runner(doc)
-        assert torch.equal(one.codes, kept.codes)
-        torch.testing.assert_close(kept.mass, one.mass, rtol=0, atol=1e-6)
+        assert torch.equal(new.codes, kept.codes) and torch.equal(new.mass, kept.mass)
 
 
 def test_evaluate_at_batch_1_and_4_agree(models):
