@@ -94,7 +94,8 @@ def record_futures(
 
 def stream_futures(engine: StreamingEngine, streams: list[torch.Tensor], tau: float) -> list[FutureRequests]:
     """The reference passes of ``streams`` through ``engine`` (a :func:`reference_engine`, which may be kept
-    across calls: it checks itself once), recording attention of at least ``tau``."""
+    across calls: its self-check does not run again unless a stream needs a longer probe), recording
+    attention of at least ``tau``."""
     recorders = [RequestRecorder(tau) for _ in streams]
     requests = [
         StreamRequest(tokens, engine.policy, StreamHooks(observer=recorder))
