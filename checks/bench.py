@@ -194,6 +194,7 @@ def chunk_sweep(model, tokens: torch.Tensor, chunks: list[int], budget: int) -> 
         for name, params, positions in policies:
             policy = make_policy({"name": name, **params}, budget=budget, chunk=chunk)
             engine = StreamingEngine(model, policy, positions=positions)
+            engine.self_check(tokens)  # with the timed stream's probe: not run again inside the timing
             engine.stream(tokens[: 2 * chunk + 1])  # warm-up
             seconds, _ = timed(lambda engine=engine: engine.stream(tokens))
             rates.append((n - 1) / seconds)
@@ -505,6 +506,7 @@ def main() -> None:
             continue
         policy = make_policy({"name": name, **params}, budget=args.budget, chunk=args.chunk)
         engines[key] = engine = StreamingEngine(model, policy, positions=positions, batch=batch)
+        engine.self_check(tokens)  # the documents joined: the longest probe, not run again while timed
         engine.stream(tokens[: 2 * args.chunk + 1])  # warm-up
     if args.paired:
         equal_work(model, batch_groups(docs, args.batch)[0][:, : 2 * args.chunk + 1], args.budget, args.chunk)
