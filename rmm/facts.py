@@ -19,13 +19,12 @@ class ModelFacts:
     """What the engine reads of ``model`` once.
 
     stated : what its text config states (:class:`~rmm.model_config.ConfigFacts`, with the per-layer
-    shapes read from its modules where the config states none);
-    dims : :func:`rmm.model_config.describe_model`;
-    windows : per layer, the past entries its own window shows (None: all); attending : per layer,
-    whether it attends; carried : layers with recurrent or convolutional state; rotary : its
-    rotations (calibrated in place by the self-check); max_positions : the positions a stream may reach
-    (a rotary table's rows, or learned absolute positions; None: unbounded); device, dtype : its
-    parameters'.
+    shapes read from its modules where the config states none); dims :
+    :func:`rmm.model_config.describe_model`; windows : per layer, the past entries its own window shows
+    (None: all); attending : per layer, whether it attends; carried : layers with recurrent or
+    convolutional state; rotary : its rotations (calibrated in place by the self-check); max_positions :
+    the positions a stream may reach (a rotary table's rows, or learned absolute positions; None:
+    unbounded); device, dtype : its parameters'.
     """
 
     model: PreTrainedModel
