@@ -75,7 +75,7 @@ def evaluate(
     tokenizer: Any = None,
     token_ids: Sequence[Sequence[int] | torch.Tensor] | None = None,
     documents: Sequence[Document] | None = None,
-    policy: str | Policy = "full",
+    policy: str | Policy | None = None,
     budget: int | None = None,
     chunk: int = 64,
     positions: str = "original",
@@ -99,8 +99,9 @@ def evaluate(
     texts, tokenizer : documents as strings, tokenized as ``tokenizer(text).input_ids``; or
     token_ids, documents : token id sequences; or :class:`rmm.data.Document` (rmm.data.load_documents).
     policy : a registered policy name (``rmm.policies.POLICIES``) with its parameters as keyword
-        arguments (``lag=32``, ``rho=0.25``, ``weight="prob"``), or a :class:`~rmm.policies.Policy`.
-    budget : B, retained past entries per (layer, KV head); None for no bound.
+        arguments (``lag=32``, ``rho=0.25``, ``weight="prob"``), or a :class:`~rmm.policies.Policy`;
+        None: ``full`` (every entry kept; a budget without a policy is refused).
+    budget : B, retained past entries per (layer, KV head); None for no bound (``full`` only).
     chunk : C, tokens between two decisions.
     positions, scope, allocation, layers, batch : how the stream is bounded
         (:class:`rmm.options.StreamOptions`: ``original`` | ``cache``; ``head`` | ``layer`` | ``global``;
@@ -111,7 +112,12 @@ def evaluate(
     code = provenance.capture()  # the code as this process found it: later edits are not attributed to it
     options = StreamOptions(positions, scope, allocation, layers, batch)
     docs = _documents(texts, tokenizer, token_ids, documents, max_tokens)
-    policy = _as_policy(policy, budget, chunk, policy_params)
+    if policy is None and budget is not None:
+        raise ValueError(
+            f"budget={budget} without a policy: the default, full, keeps every entry; name one, e.g. "
+            "policy='h2o'"
+        )
+    policy = _as_policy("full" if policy is None else policy, budget, chunk, policy_params)
     longest = max(doc.tokens.numel() for doc in docs)
     reference = reference_pass(model, policy, longest, oracle_tau, oracle_context)
     metrics, tokens = run_engine(StreamingEngine(model, policy, options), docs, reference)
@@ -163,6 +169,7 @@ def run_engine(
     Returns the stream metrics (:func:`stream_metrics`) and the per-token frame (one row per token of
     every document, in the documents' order).
     """
+    _check_vocabulary(docs, engine.facts.vocab)
     longest = max(docs, key=lambda doc: doc.tokens.numel()).tokens
     engine.self_check(longest)
     memory = PeakMemory(engine.facts.device)
@@ -180,6 +187,18 @@ def run_engine(
     totals = stream_documents(engine, docs, reference, estimator=estimator, on_chunk=sampling)
     tokens = pd.concat(totals.token_frames, ignore_index=True)
     return stream_metrics(engine, totals, tokens, longest.numel(), memory, reference), tokens
+
+
+def _check_vocabulary(docs: Sequence[Document], vocab: int | None) -> None:
+    """Refuse a document with a token id the model has no embedding for (``vocab``: its rows)."""
+    for doc in docs:
+        low, high = int(doc.tokens.min()), int(doc.tokens.max())
+        if low < 0 or (vocab is not None and high >= vocab):
+            bad, ids = (low, "ids are >= 0") if low < 0 else (high, f"ids 0..{vocab - 1}")
+            raise ValueError(
+                f"document {doc.doc_id} has token id {bad}, outside the model's vocabulary ({ids}): "
+                "tokenize with the model's own tokenizer"
+            )
 
 
 def compare(

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import socket
@@ -28,6 +29,8 @@ from omegaconf import OmegaConf
 
 from rmm.files import atomic_path, cache_root, config_dir, offline_switches
 from rmm.reuse import ReuseSpec, Vocabulary, generate
+
+log = logging.getLogger(__name__)
 
 HUB_TIMEOUT_S = 3.0
 TEXT_SUFFIXES = (".txt", ".md")
@@ -185,6 +188,11 @@ def _check_paths(dataset: DatasetConfig, prefix: str) -> None:
             raise DatasetUnavailableError(
                 f"{prefix}.path={dataset.path}: no such folder; point it at a folder of .txt/.md files"
             )
+        if not _listing(Path(dataset.path).expanduser(), TEXT_SUFFIXES):
+            raise DatasetUnavailableError(
+                f"{prefix}.path={dataset.path}: no {'/'.join(TEXT_SUFFIXES)} files under it; put the texts "
+                "there, or point it at another folder"
+            )
     if dataset.local_path and not Path(dataset.local_path).expanduser().exists():
         raise DatasetUnavailableError(
             f"{prefix}.local_path={dataset.local_path}: no such file or folder; point it at a downloaded "
@@ -256,7 +264,10 @@ def _options(cfg: Mapping[str, Any]) -> DatasetConfig:
             nullable = "" if key == "min_tokens" else " or null"
             raise ValueError(f"dataset.{key} must be an integer >= 1{nullable}, got {value!r}")
     if opts["max_tokens"] is not None and opts["max_tokens"] < opts["min_tokens"]:
-        raise ValueError(f"dataset.max_tokens={opts['max_tokens']} < dataset.min_tokens={opts['min_tokens']}")
+        raise ValueError(
+            f"dataset.max_tokens={opts['max_tokens']} < dataset.min_tokens={opts['min_tokens']}: no document "
+            "could be kept; raise dataset.max_tokens or lower dataset.min_tokens"
+        )
     return DatasetConfig(source=source, **opts)
 
 
@@ -328,7 +339,18 @@ def _raw_documents(dataset: DatasetConfig) -> Iterator[_RawDoc]:
 def _text_files(root: Path, relative: list[Path], doc_id: Callable[[Path], str]) -> Iterator[_RawDoc]:
     for rel in relative:
         path = root / rel
-        text = path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            text = raw.decode("utf-8", errors="replace")
+            log.warning(
+                "%s is not valid UTF-8 (%s); its invalid bytes were read as U+FFFD: re-encode it as UTF-8 to "
+                "keep its characters",
+                path,
+                err.reason,
+            )
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # as reading in text mode does
         meta = {"source_file": rel.as_posix()}
         title = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), None)
         if rel.suffix == ".md" and title:

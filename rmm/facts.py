@@ -24,7 +24,8 @@ class ModelFacts:
     (None: all); attending : per layer, whether it attends; carried : layers with recurrent or
     convolutional state; rotary : its rotations (calibrated in place by the self-check); max_positions :
     the positions a stream may reach (a rotary table's rows, or learned absolute positions; None:
-    unbounded); device, dtype : its parameters'.
+    unbounded); vocab : the token ids its input embedding has rows for (None: not read); device, dtype :
+    its parameters'.
     """
 
     model: PreTrainedModel
@@ -35,6 +36,7 @@ class ModelFacts:
     carried: list[int]
     rotary: Rotary
     max_positions: int | None
+    vocab: int | None
     device: torch.device
     dtype: torch.dtype
 
@@ -97,6 +99,16 @@ def model_facts(model: PreTrainedModel) -> ModelFacts:
         carried=carried,
         rotary=rotary,
         max_positions=rotary.max_positions if rotary.candidates else dims["max_position_embeddings"],
+        vocab=_vocabulary(model),
         device=device,
         dtype=next(model.parameters()).dtype,
     )
+
+
+def _vocabulary(model: PreTrainedModel) -> int | None:
+    """The rows of ``model``'s input embedding (None where the model has no embedding module to read)."""
+    try:
+        embedding = model.get_input_embeddings()
+    except NotImplementedError:
+        return None
+    return getattr(embedding, "num_embeddings", None)

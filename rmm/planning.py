@@ -53,7 +53,7 @@ def plan_stream(policy: Policy, options: StreamOptions, facts: ModelFacts) -> St
     capacity: int | torch.Tensor | None = policy.capacity if bounded else None
     floor = None
     if bounded and allocation == "pyramid":
-        capacity = capacities(allocation, policy.capacity, policy.protected, *facts.shape[:2])
+        capacity = capacities(allocation, policy.capacity, policy.always_kept, *facts.shape[:2])
     elif bounded and allocation == "adaptive":
         floor = adaptive_floor(policy.capacity)
     if allocation != "uniform" and policy.budget is None:
@@ -115,7 +115,7 @@ def recording_plan(
     if retained is not None and allocation != "uniform":
         if shape is None:
             raise ValueError(f"allocation={allocation} needs the model's (n_layers, n_kv_heads)")
-        retained = retained_slots(allocation, retained, policy.protected, *shape)
+        retained = retained_slots(allocation, retained, policy.always_kept, *shape)
     needs = policy.needs
     store_unrotated = positions == "cache"
     return RecordingPlan(

@@ -921,7 +921,7 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, record: dict) -> None
         return
     per_layer = [capacity] * n_layers
     if spec.allocation == "pyramid":
-        per_layer = _pyramid(capacity, rule.protected(spec, capacity), n_layers)
+        per_layer = _pyramid(capacity, rule.always_kept(spec, capacity), n_layers)
     layers = [layer for layer in range(n_layers) if not record["exempt"][layer]]  # exempt: kept as they are
     heads = [range(len(per_head)) for per_head in retained]  # each layer's own KV heads
     if spec.scope == "head":
@@ -943,11 +943,11 @@ def _decide(spec: ReferenceSpec, retained: list, now: int, record: dict) -> None
             retained[layer][h] = sorted(keep)
 
 
-def _pyramid(capacity: int, protected: int, n_layers: int) -> list[int]:
+def _pyramid(capacity: int, always_kept: int, n_layers: int) -> list[int]:
     """Per-layer capacities falling linearly with depth, summing to L * B' (docs/semantics.md)."""
     if n_layers == 1:
         return [capacity]
-    last = max(-(-capacity // 4), protected + 1)
+    last = max(-(-capacity // 4), always_kept + 1)
     first = 2 * capacity - last
     caps = [first]
     for layer in range(1, n_layers - 1):
@@ -994,7 +994,8 @@ def _recent(scores: dict[int, float], now: int, recent: int) -> dict[int, float]
 
 
 def _rho_window(spec: ReferenceSpec, capacity: int) -> int:
-    return int(spec.rho * capacity)
+    """r = floor(rho * B') of rho as written in decimals (the product rounded to 9 decimals first)."""
+    return math.floor(round(spec.rho * capacity, 9))
 
 
 def _h2o(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
@@ -1160,7 +1161,7 @@ def _unrotated(record, source: str, layer: int, h: int, j: int) -> list[float]:
 def _observed_attention(spec, record, layer, h, candidates, now, capacity) -> dict[int, float]:
     """A_j / n_j (``kvpress``: A_j / (G n_j), the mean over the group's query heads); the
     r = floor(rho * B') most recent positions kept."""
-    recent = int(spec.rho * capacity)
+    recent = _rho_window(spec, capacity)
     acc, count = record["attention_sum"][layer][h], record["count"][layer][h]
     group = _group(record["model"]) if spec.variant == "kvpress" else 1
     return {j: math.inf if j >= now - recent else acc[j] / count[j] / group for j in candidates}
@@ -1556,7 +1557,8 @@ class Rule:
     visible : a position rule: may query ``now`` see key j? (applied to every query)
     score : a score-based rule: {position: score} of one head's candidates at a boundary.
     observe : called after every query t but the last, to fold what it saw into ``record``.
-    protected : the always-kept recent positions as the rule counts them (the pyramid's minimum).
+    always_kept : how many positions the rule keeps whatever their scores, at most (its recent window and
+        its sinks): the pyramid's smallest layer holds more.
     reduce : how the scores of heads or layers that share one set combine.
     reads_keys : the rule reads keys rotated back (the RoPE frequencies are needed).
     reads_values : the rule reads values.
@@ -1567,7 +1569,7 @@ class Rule:
     visible: Callable[[ReferenceSpec, int, int], bool] | None = None
     score: Callable[..., dict[int, float]] | None = None
     observe: Callable[[ReferenceSpec, dict, int], None] | None = None
-    protected: Callable[[ReferenceSpec, int], int] = _none
+    always_kept: Callable[[ReferenceSpec, int], int] = _none
     reduce: Callable[[ReferenceSpec, list[float]], float] = _fsum
     reads_keys: bool = False
     reads_values: bool = False
@@ -1579,13 +1581,13 @@ RULES: dict[str, Rule] = {
     "full": Rule(visible=_visible_full),
     "window": Rule(visible=_visible_window),
     "streaming_llm": Rule(visible=_visible_streaming_llm, params={"sinks": 4}),
-    "h2o": Rule(score=_h2o, protected=_rho_window, params={"rho": 0.5}),
+    "h2o": Rule(score=_h2o, always_kept=_rho_window, params={"rho": 0.5}),
     "rmm": Rule(
         score=_rmm,
         observe=lambda spec, record, t: (_rmm_auto_observe if spec.lag == "auto" else _rmm_observe)(
             spec, record, t
         ),
-        protected=lambda spec, capacity: capacity // 2 if spec.lag == "auto" else spec.lag,
+        always_kept=lambda spec, capacity: capacity // 2 if spec.lag == "auto" else spec.lag,
         params={
             "lag": 0,
             "weight": "correct",
@@ -1595,7 +1597,7 @@ RULES: dict[str, Rule] = {
         },
     ),
     "tova": Rule(score=_tova, params={"variant": "harness"}),
-    "random": Rule(score=_random, protected=_rho_window, params={"rho": 0.5, "seed": 0}),
+    "random": Rule(score=_random, always_kept=_rho_window, params={"rho": 0.5, "seed": 0}),
     "oracle": Rule(
         score=_oracle,
         reduce=_oracle_reduce,
@@ -1603,11 +1605,11 @@ RULES: dict[str, Rule] = {
         params={"variant": "next_use", "weight": "correct"},
     ),
     "observed_attention": Rule(
-        score=_observed_attention, protected=_rho_window, params={"rho": 0.5, "variant": "harness"}
+        score=_observed_attention, always_kept=_rho_window, params={"rho": 0.5, "variant": "harness"}
     ),
     "snapkv": Rule(
         score=_snapkv,
-        protected=lambda spec, capacity: spec.window,
+        always_kept=lambda spec, capacity: spec.window,
         params={"window": 32, "kernel": 5, "pooling": "avg", "variant": "harness"},
     ),
     "knorm": Rule(score=_knorm, reads_keys=True, params={"variant": "harness"}),
@@ -1615,20 +1617,21 @@ RULES: dict[str, Rule] = {
     "lru": Rule(score=_lru, reduce=_latest),
     "lagkv": Rule(
         score=_lagkv,
-        protected=lambda spec, capacity: 2 * spec.partition - 1,
+        always_kept=lambda spec, capacity: spec.sinks + 2 * spec.partition - 1,
         reads_keys=True,
         reads_values=True,
         params={"partition": 32, "sinks": 4, "variant": "harness"},
     ),
     "restkv": Rule(
         score=_restkv,
-        protected=lambda spec, capacity: spec.window if spec.variant == "official" else 0,
+        always_kept=lambda spec, capacity: spec.window if spec.variant == "official" else 0,
         reads_values=True,
         params={"beta": 0.8, "kernel": 5, "variant": "harness", "window": 32, "alpha": 0.3, "scale": 2000},
     ),
     "expected_attention": Rule(
         score=_expected_attention,
         observe=_expected_attention_observe,
+        always_kept=lambda spec, capacity: spec.sinks,
         reads_keys=True,
         reads_values=True,
         params={

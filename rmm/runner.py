@@ -123,7 +123,8 @@ def build(cfg: DictConfig, checked: CheckedRun) -> RunSetup:
     if not docs:
         raise ValueError(
             f"dataset {cfg.dataset.name!r} gave no document with at least "
-            f"{dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short)"
+            f"{dataset.min_tokens} tokens ({data_stats.n_skipped_short} skipped as too short); lower "
+            "dataset.min_tokens, or use longer texts"
         )
     engine = StreamingEngine(model, policy, options)
     longest = max(d.tokens.numel() for d in docs)

@@ -86,6 +86,16 @@ def test_evaluate_matches_the_engine_and_saves_a_run(tmp_path: Path) -> None:
         ({}, "pass exactly one of"),
         ({"token_ids": [[1]]}, "2 tokens or more"),
         ({"token_ids": [[1, 2, 3]], "policy": "rmm", "budget": 8, "chunk": 4}, "lag"),
+        ({"token_ids": [[1, 2, 3]], "budget": 8, "chunk": 4}, "budget=8 without a policy"),
+        ({"token_ids": [[1, 2, 3]], "policy": "h2o", "chunk": 4}, "policy h2o needs a budget"),
+        ({"token_ids": [[1, 2, 3]], "policy": "h2o", "budget": 8.5, "chunk": 4}, "budget must be an integer"),
+        ({"token_ids": [[1, 2, 3]], "policy": "h2o", "budget": 8, "chunk": "4"}, "chunk must be an integer"),
+        (
+            {"token_ids": [[1, 2, 3]], "policy": "h2o", "budget": 8, "rho": "half"},
+            "policy.rho must be a number",
+        ),
+        ({"token_ids": [[1, 10**6, 3]], "policy": "full"}, "doc-0000 has token id 1000000, outside"),
+        ({"token_ids": [[1, -1, 3]], "policy": "full"}, "doc-0000 has token id -1, outside"),
     ],
 )
 def test_bad_api_input_is_explained(kwargs: dict, message: str) -> None:

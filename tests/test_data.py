@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rmm.data import DatasetStats, DatasetUnavailableError, load_documents
+from rmm.data import DatasetStats, DatasetUnavailableError, check_dataset, load_documents
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "dataset"
 CORPUS = [
@@ -182,6 +182,25 @@ def test_textdir_errors(tok, tmp_path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetUnavailableError, match="no .txt/.md files"):
         load_documents({"name": "textdir", "path": str(tmp_path / "empty")}, tok, cache_dir=tmp_path)
+    with pytest.raises(DatasetUnavailableError, match="no .txt/.md files"):  # before any model loads
+        check_dataset({"name": "textdir", "path": str(tmp_path / "empty")})
+    with pytest.raises(ValueError, match="raise dataset.max_tokens or lower dataset.min_tokens"):
+        check_dataset({"name": "textdir", "path": str(tmp_path), "max_tokens": 4, "min_tokens": 8})
+
+
+def test_textdir_reads_newlines_as_text_mode_and_warns_of_bytes_not_utf8(tok, tmp_path, caplog) -> None:
+    """A file that is not UTF-8 is read with U+FFFD for its invalid bytes and a warning naming it; line
+    endings read as in text mode (CRLF and CR as LF)."""
+    (tmp_path / "a.txt").write_bytes(b"one\r\ntwo\rthree\n")
+    (tmp_path / "b.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    with caplog.at_level("WARNING", logger="rmm.data"):
+        docs, _ = load_documents(
+            {"name": "textdir", "path": str(tmp_path), "min_tokens": 1}, tok, tmp_path / "c"
+        )
+    assert docs[0].tokens.tolist() == ids(tok, "one\ntwo\nthree\n")
+    assert docs[1].tokens.tolist() == ids(tok, "caf\ufffd au lait\n")
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "b.txt is not valid UTF-8" in warned[0] and "re-encode" in warned[0]
 
 
 def test_pg19_local_parquet(tok, tmp_path) -> None:

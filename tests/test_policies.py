@@ -486,6 +486,26 @@ def test_pyramid_with_layer_scope_matches_reference(tiny_models, streams, name, 
 
 
 @pytest.mark.parametrize(
+    ("name", "params", "sinks"),
+    [("lagkv", {"partition": 2, "sinks": 2}, 2), ("expected_attention", {"sinks": 4}, 4)],
+)
+def test_the_pyramid_keeps_every_sink_in_its_smallest_layer(tiny_models, name, params, sinks):
+    """The pyramid's smallest layer has room for all a policy keeps whatever its scores, sinks included
+    (``ScorePolicy.always_kept``; before, lagkv's and expected_attention's sinks were left out of its
+    minimum, and the smallest layer evicted them): every head of every layer keeps them, and the engine
+    matches the reference."""
+    tokens = distinct_stream(STREAM_LENGTH)
+    sets = check_against_reference(
+        tiny_models["llama"], tokens, "llama", name, params, 1, "original", "head", "pyramid"
+    )
+    sizes = {len(head) for engine_set in sets.values() for head in engine_set[-1]}
+    assert min(sizes) < BUDGET, "the case must shrink the last layer below B'"
+    for now, engine_set in sets.items():
+        for layer in engine_set:
+            assert all(set(range(min(sinks, now))) <= set(head) for head in layer), f"a sink left at {now}"
+
+
+@pytest.mark.parametrize(
     ("name", "params", "allocation"),
     [
         ("h2o", {}, "adaptive"),
@@ -588,3 +608,40 @@ def test_allocation_rules_agree_with_the_reference():
                 assert caps == ref._pyramid(capacity, protected, n_layers)
                 assert sum(caps) == n_layers * capacity and min(caps) > protected
                 assert caps == sorted(caps, reverse=True)
+
+
+@pytest.mark.parametrize("name", ["h2o", "random", "observed_attention"])
+def test_the_recent_window_reads_rho_as_written(name):
+    """r = floor(rho * B') of the decimal rho: 0.29 * 100 is 28.999999999999996 in binary floating point,
+    and r is 29 in the engine and the reference alike; a rho just below stays below."""
+    from rmm import reference as ref
+
+    for rho, expected in ((0.29, 29), (0.57, 57), (0.5, 50), (0.2899, 28)):
+        policy = make_policy({"name": name, "rho": rho}, budget=100, chunk=1)
+        spec = ReferenceSpec(policy=name, budget=100, chunk=1, rho=rho)
+        assert policy.protected == ref._rho_window(spec, 100) == expected, (name, rho)
+
+
+def test_every_policy_but_full_refuses_no_budget_and_every_policy_checks_its_types():
+    """budget=None is full's alone (any other policy is refused when built, before a model loads); budget
+    and chunk are integers (a NumPy integer too); a parameter of the wrong plain type is named."""
+    import numpy as np
+
+    for name, cls in POLICIES.items():
+        params = {"lag": 2} if name == "rmm" else {}
+        if cls.needs_budget:
+            with pytest.raises(ValueError, match=f"policy {name} needs a budget: set budget=N"):
+                make_policy({"name": name, **params}, budget=None, chunk=1)
+        else:
+            assert make_policy({"name": name}, budget=64, chunk=1).budget is None
+        policy = make_policy({"name": name, **params}, budget=np.int64(64), chunk=np.int32(4))
+        assert type(policy.chunk) is int and (policy.budget is None or type(policy.budget) is int)
+        for key, bad in (("budget", 64.0), ("budget", True), ("chunk", "4"))[2 * (not cls.needs_budget) :]:
+            given = {"budget": 64, "chunk": 4, key: bad}
+            with pytest.raises(ValueError, match=f"{key} must be an integer"):
+                make_policy({"name": name, **params}, **given)
+    assert [name for name, cls in POLICIES.items() if not cls.needs_budget] == ["full"]
+    with pytest.raises(ValueError, match="policy.rho must be a number, got 'abc'"):
+        make_policy({"name": "h2o", "rho": "abc"}, budget=64, chunk=4)
+    with pytest.raises(ValueError, match="policy.lag must be an integer or a string, got 16.5"):
+        make_policy({"name": "rmm", "lag": 16.5}, budget=64, chunk=4)

@@ -18,6 +18,8 @@ fused scaled-dot-product attention.
 
 from __future__ import annotations
 
+import math
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -137,12 +139,19 @@ class Policy(ABC):
 
     name: ClassVar[str] = ""
     needs_reference: ClassVar[bool] = False
+    needs_budget: ClassVar[bool] = True  # False: it keeps every entry and ignores a budget (full)
 
     def __post_init__(self) -> None:
+        self.chunk = _integer("chunk", self.chunk)
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.budget is None:
+            if self.needs_budget:
+                raise ValueError(
+                    f"policy {self.name} needs a budget: set budget=N (no budget only with policy=full)"
+                )
             return
+        self.budget = _integer("budget", self.budget)
         if self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.chunk > self.budget:
@@ -190,6 +199,16 @@ class PositionRule(Policy):
         ``query_pos[..., :, None]``."""
 
 
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int (a Python or NumPy integer, not a bool), or a ValueError naming ``name``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
 def every_key(query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
     """The position rule that allows everything: True [..., Q, S] for queries [..., Q] and keys [..., S]."""
     shape = torch.broadcast_shapes(query_pos[..., :, None].shape, key_pos[..., None, :].shape)
@@ -225,6 +244,14 @@ class ScorePolicy(Policy):
     def protected(self) -> int:
         """Number of most recent positions that are never ranked (a recent window); 0 by default."""
         return 0
+
+    @property
+    def always_kept(self) -> int:
+        """The most entries a boundary keeps whatever their scores (infinite priority): the recent window
+        (:attr:`protected`) and any other always-kept positions (sinks). A capacity must exceed it for the
+        policy to rank anything (the pyramid's smallest layer:
+        :func:`rmm.policies.select.pyramid_capacities`)."""
+        return self.protected
 
     @property
     def score_digits(self) -> int | None:
@@ -309,7 +336,9 @@ class RecentRatioPolicy(ScorePolicy):
 
     @property
     def protected(self) -> int:
-        return int(self.rho * self.capacity)
+        """floor(rho * B'), the product rounded to 9 decimals first: a decimal rho counts as written
+        (0.29 * 100 is 28.999999999999996 in binary floating point, and r is 29)."""
+        return math.floor(round(self.rho * self.capacity, 9))
 
 
 # ``policy.variant`` of the policies named after a kvpress press (knorm, keydiff, lagkv, snapkv, tova,

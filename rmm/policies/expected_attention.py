@@ -53,6 +53,11 @@ class ExpectedAttention(ScorePolicy):
         if self.budget is not None and self.sinks:
             check_protected("policy.sinks", self.sinks, self.capacity)
 
+    @property
+    def always_kept(self) -> int:
+        """Its sinks."""
+        return self.sinks
+
     def score(self, state: dict[str, torch.Tensor], obs: Observation, now: int) -> torch.Tensor:
         rotary, key_pos = obs.rotary, obs.key_pos
         n_layers, _, _, head_dim = obs.keys.shape

@@ -11,6 +11,7 @@ from rmm.policies.base import PositionRule, every_key, register
 @dataclass
 class Full(PositionRule):
     name = "full"
+    needs_budget = False
 
     def __post_init__(self) -> None:
         self.budget = None

@@ -70,14 +70,17 @@ class LagKV(ScorePolicy):
         if self.sinks < 0:
             raise ValueError(f"policy.sinks must be >= 0, got {self.sinks}")
         if self.budget is not None:
-            check_protected(
-                "policy.sinks + 2 * policy.partition - 1", self.sinks + 2 * self.partition - 1, self.capacity
-            )
+            check_protected("policy.sinks + 2 * policy.partition - 1", self.always_kept, self.capacity)
 
     @property
     def protected(self) -> int:
         """The newest positions are unscored: between P and 2P - 1 of them (the upper bound)."""
         return 2 * self.partition - 1
+
+    @property
+    def always_kept(self) -> int:
+        """The sinks and the unscored newest positions (at most 2P - 1)."""
+        return self.sinks + self.protected
 
     @property
     def lookback(self) -> int:

@@ -189,13 +189,14 @@ def adaptive_floor(capacity: int) -> int:
     return -(-capacity // 5)
 
 
-def pyramid_capacities(capacity: int, protected: int, n_layers: int) -> list[int]:
-    """c_l, l = 0..L-1: c_{L-1} = max(ceil(B'/4), protected + 1), c_0 = 2 B' - c_{L-1}, the layers between
-    linearly interpolated and rounded down, then the residue L B' - sum given one slot each to the layers
-    0, 1, 2, ..., so that sum_l c_l = L B'. One layer keeps B'."""
+def pyramid_capacities(capacity: int, always_kept: int, n_layers: int) -> list[int]:
+    """c_l, l = 0..L-1: c_{L-1} = max(ceil(B'/4), always_kept + 1) (the policy's
+    :attr:`~rmm.policies.ScorePolicy.always_kept`: every layer has room to rank), c_0 = 2 B' - c_{L-1}, the
+    layers between linearly interpolated and rounded down, then the residue L B' - sum given one slot each
+    to the layers 0, 1, 2, ..., so that sum_l c_l = L B'. One layer keeps B'."""
     if n_layers == 1:
         return [capacity]
-    last = max(-(-capacity // 4), protected + 1)
+    last = max(-(-capacity // 4), always_kept + 1)
     first = 2 * capacity - last
     steps = n_layers - 1
     caps = [first] + [(first * steps + (last - first) * layer) // steps for layer in range(1, steps)] + [last]
@@ -204,22 +205,22 @@ def pyramid_capacities(capacity: int, protected: int, n_layers: int) -> list[int
     return caps
 
 
-def capacities(allocation: str, capacity: int, protected: int, n_layers: int, n_heads: int) -> torch.Tensor:
+def capacities(allocation: str, capacity: int, always_kept: int, n_layers: int, n_heads: int) -> torch.Tensor:
     """Capacity [L, H] long of every (layer, KV head): B' (``uniform`` and ``adaptive``, whose per-head
     counts are decided jointly at each boundary) or the pyramid's c_l."""
     if allocation == "pyramid":
-        caps = torch.tensor(pyramid_capacities(capacity, protected, n_layers), dtype=torch.long)
+        caps = torch.tensor(pyramid_capacities(capacity, always_kept, n_layers), dtype=torch.long)
         return caps[:, None].expand(n_layers, n_heads).clone()
     return torch.full((n_layers, n_heads), capacity, dtype=torch.long)
 
 
-def retained_slots(allocation: str, capacity: int, protected: int, n_layers: int, n_heads: int) -> int:
+def retained_slots(allocation: str, capacity: int, always_kept: int, n_layers: int, n_heads: int) -> int:
     """R: the most entries one (layer, head) can hold across a boundary under ``allocation``
     (adaptive: B' + (H - 1)(B' - f); pyramid: c_0; uniform: B')."""
     if allocation == "adaptive":
         return capacity + (n_heads - 1) * (capacity - adaptive_floor(capacity))
     if allocation == "pyramid":
-        return pyramid_capacities(capacity, protected, n_layers)[0]
+        return pyramid_capacities(capacity, always_kept, n_layers)[0]
     return capacity
 
 
