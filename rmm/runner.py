@@ -50,7 +50,7 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None)
     run_dir = Path(run_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     if cfg.resume and run_is_complete(run_dir):
-        return _resume(run_dir, config)
+        return _resume(run_dir, config, cfg)
     fields = _run_fields(cfg, config)
     if checked is None:
         checked = check_run(cfg)  # as run.py does: a call from Python fails as early
@@ -76,6 +76,8 @@ def run(cfg: DictConfig, run_dir: str | Path, checked: CheckedRun | None = None)
             stream_metrics, tokens = api.run_engine(setup.engine, setup.docs, setup.reference, **hooks)
             progress.close()
             metrics = {**stream_metrics, "n_skipped_short": stats.n_skipped_short, **fields, **environment}
+        if cfg.resume and run_is_complete(run_dir):  # a parallel job finished here meanwhile
+            _check_same(run_dir, config, "was completed meanwhile by a run of another configuration")
         write_run(run_dir, config, metrics, tokens, code_diff=code.diff)
         tracker.finish(metrics, position_perplexity(tokens))
     return metrics
@@ -94,16 +96,33 @@ def _run_fields(cfg: DictConfig, config: dict) -> dict[str, Any]:
     }
 
 
-def _resume(run_dir: Path, config: dict) -> dict[str, Any]:
-    """The stored metrics of a complete run of the same configuration."""
+def _resume(run_dir: Path, config: dict, cfg: DictConfig) -> dict[str, Any]:
+    """The stored metrics of a complete run of the same configuration, on the device and dtype that
+    ``device=auto`` and ``dtype=auto`` resolve to here."""
+    _check_same(run_dir, config, "holds complete results of a different configuration")
+    metrics = read_metrics(run_dir)
+    stored = (str(metrics.get("device", "")).split(":")[0], metrics.get("dtype"))
+    device = resolve_device("auto").type if str(cfg.device).lower() == "auto" else stored[0]
+    here = (device, str(resolve_dtype(cfg.dtype, device)).removeprefix("torch."))
+    if None not in stored and stored != here:
+        raise ValueError(
+            f"{run_dir} holds complete results computed on {stored[0]} in {stored[1]}, but "
+            f"device={cfg.device} dtype={cfg.dtype} resolve to {here[0]} in {here[1]} here; run where they "
+            "resolve to the stored ones, use resume=false to recompute them here, or another hydra.run.dir"
+        )
+    log.info("complete results found in %s; skipping (resume=false to recompute)", run_dir)
+    return metrics
+
+
+def _check_same(run_dir: Path, config: dict, what: str) -> None:
+    """Refuse the complete results in ``run_dir`` if their config differs from ``config`` (``what``: what
+    they are, for the message)."""
     changed = changed_keys(read_config(run_dir), config)
     if changed:
         raise ValueError(
-            f"{run_dir} holds complete results of a different configuration (differs in: "
-            f"{', '.join(changed)}); use resume=false to overwrite them, or another hydra.run.dir"
+            f"{run_dir} {what} (differs in: {', '.join(changed)}); use resume=false to overwrite them, or "
+            "another hydra.run.dir (a sweep: hydra.sweep.dir)"
         )
-    log.info("complete results found in %s; skipping (resume=false to recompute)", run_dir)
-    return read_metrics(run_dir)
 
 
 def build(cfg: DictConfig, checked: CheckedRun) -> RunSetup:

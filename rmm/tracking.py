@@ -140,24 +140,29 @@ class Progress:
 
 
 class RunningPerplexity:
-    """Per-chunk progress of one document: the bar's token count and running perplexity (logged to W&B every
-    ``log_every`` tokens)."""
+    """Per-chunk progress of one document: the bar's token count after every chunk, and the running
+    perplexity on the bar and in W&B every ``log_every`` scored tokens. The NLL is summed on its device and
+    read only then (reading it after every chunk would make each pass wait for the device), and never
+    where neither the bar nor W&B shows it."""
 
     def __init__(self, totals: RunTotals, progress: tqdm, tracker: Tracker, log_every: int = 512):
         self.totals, self.progress, self.tracker, self.log_every = totals, progress, tracker, log_every
         self.streamed = self.n_scored = 0
         self.last_logged = totals.n_scored
-        self.nll_sum = 0.0
+        self.nll_sum: torch.Tensor | float = 0.0
+        self.shown = not progress.disable or tracker.run is not None
 
     def __call__(self, streamed: int, nll: torch.Tensor) -> None:
         """After a chunk: ``streamed`` tokens of the document so far; ``nll`` [Q'] its scored predictions."""
         self.progress.update(streamed - self.streamed)
         self.streamed = streamed
-        self.nll_sum += float(nll.sum())
         self.n_scored += nll.numel()
         scored = self.totals.n_scored + self.n_scored
-        ppl = math.exp((self.totals.nll_sum + self.nll_sum) / max(scored, 1))
-        self.progress.set_postfix(ppl=f"{ppl:.3f}", refresh=False)
+        if not self.shown:
+            return
+        self.nll_sum = self.nll_sum + nll.double().sum()  # on nll's device: no wait
         if scored - self.last_logged >= self.log_every:
+            ppl = math.exp((self.totals.nll_sum + float(self.nll_sum)) / max(scored, 1))
+            self.progress.set_postfix(ppl=f"{ppl:.3f}", refresh=False)
             self.tracker.log_running(scored, ppl)
             self.last_logged = scored

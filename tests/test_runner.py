@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -261,6 +262,45 @@ def test_resume_skips_a_complete_run(tiny_setup, tmp_path):
     assert (tmp_path / "metrics.json").stat().st_mtime_ns == stamp
     with pytest.raises(ValueError, match=r"different configuration \(differs in: dataset.max_tokens\)"):
         run(config(tiny_setup, "policy=window", "dataset.max_tokens=32"), tmp_path)
+
+
+def test_resume_refuses_results_of_another_resolved_device_or_dtype(tiny_setup, tmp_path):
+    """device=auto and dtype=auto resolve per machine: complete results made on another device or in
+    another dtype are not taken as this run's."""
+    cfg = config(tiny_setup, "policy=window", "device=auto", "dtype=auto")
+    run(cfg, tmp_path)
+    stamp = (tmp_path / "metrics.json").stat().st_mtime_ns
+    run(cfg, tmp_path)  # the same machine: resumed
+    assert (tmp_path / "metrics.json").stat().st_mtime_ns == stamp
+    stored = json.loads((tmp_path / "metrics.json").read_text())
+    elsewhere = ("cuda:0", "bfloat16") if stored["device"] == "cpu" else ("cpu", "float32")
+    (tmp_path / "metrics.json").write_text(
+        json.dumps({**stored, "device": elsewhere[0], "dtype": elsewhere[1]})
+    )
+    with pytest.raises(ValueError, match=f"computed on {elsewhere[0].split(':')[0]} in {elsewhere[1]}, but"):
+        run(cfg, tmp_path)
+
+
+def test_a_run_completed_meanwhile_by_another_configuration_is_not_overwritten(
+    tiny_setup, tmp_path, monkeypatch
+):
+    """Two configurations that share a run name, run by a parallel launcher: the one that finishes second
+    finds the other's complete results and refuses rather than replacing them."""
+    other, target = tmp_path / "other", tmp_path / "target"
+    run(config(tiny_setup, "policy=window", "dataset.max_tokens=32"), other)
+    streamed = runner.api.run_engine
+
+    def racing(*args, **kwargs):
+        result = streamed(*args, **kwargs)
+        shutil.copytree(other, target, dirs_exist_ok=True)  # the parallel job finished meanwhile
+        return result
+
+    monkeypatch.setattr(runner.api, "run_engine", racing)
+    with pytest.raises(
+        ValueError, match=r"completed meanwhile by a run of another configuration \(differs in: data"
+    ):
+        run(config(tiny_setup, "policy=window"), target)
+    assert read_config(target) == read_config(other)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "oracle"])

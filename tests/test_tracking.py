@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from rmm.tracking import POSITION_COLUMNS, Tracker, position_perplexity
 
@@ -161,3 +162,49 @@ def test_offline_run_records(offline_runs: dict[str, Path]) -> None:
         time.sleep(1.0)
         failed = read(offline_runs["failed"])
     assert failed["exit"][0].exit_code == 1
+
+
+class _Logged:
+    """A tracker stand-in: ``run`` is None (nothing logs) or a list of (tokens, ppl) it logged."""
+
+    def __init__(self, logging: bool) -> None:
+        self.run = [] if logging else None
+
+    def log_running(self, tokens_seen: int, running_ppl: float) -> None:
+        if self.run is not None:  # as Tracker.log_running
+            self.run.append((tokens_seen, running_ppl))
+
+
+class _Unreadable(torch.Tensor):
+    """An NLL tensor whose values may not be read on the host (a device's, to be read only when shown)."""
+
+    def __float__(self) -> float:
+        raise AssertionError("the running NLL was read on the host")
+
+
+@pytest.mark.parametrize("shown", ["bar", "wandb", "neither"])
+def test_running_perplexity_reads_the_nll_only_when_it_is_shown(shown: str) -> None:
+    """The running perplexity sums the NLL where it lies and reads it every ``log_every`` scored tokens,
+    onto the bar and W&B; where neither shows it, it reads nothing (each read would wait for a GPU)."""
+    from tqdm import tqdm
+
+    from rmm.metrics import RunTotals
+    from rmm.tracking import RunningPerplexity
+
+    totals = RunTotals(nll_sum=10.0, n_scored=10)
+    tracker = _Logged(shown == "wandb")
+    with tqdm(total=100, disable=shown != "bar") as bar:
+        hook = RunningPerplexity(totals, bar, tracker, log_every=8)
+        chunks = [torch.full((4,), 2.0), torch.full((3,), 1.0), torch.full((4,), 3.0)]
+        if shown == "neither":
+            chunks = [chunk.as_subclass(_Unreadable) for chunk in chunks]
+        streamed = 0
+        for chunk in chunks:
+            streamed += chunk.numel()
+            hook(streamed, chunk)
+        assert bar.n == 11 if shown == "bar" else True
+        expected = math.exp((10.0 + 8 + 3 + 12) / 21)  # logged once, at 21 scored tokens (>= 10 + 8)
+        if shown == "wandb":
+            assert tracker.run == [(21, pytest.approx(expected))]
+        if shown == "bar":
+            assert bar.postfix == f"ppl={expected:.3f}"
