@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# (overrides, a fragment the error message must contain)
+# (overrides, a fragment the error message must contain); {home} is the cases' fresh HOME, holding an
+# empty folder ``empty``
 CASES: list[tuple[list[str], str]] = [
     (["positions=absolute"], "positions must be one of"),
     (["scope=row"], "scope must be one of"),
@@ -42,6 +43,10 @@ CASES: list[tuple[list[str], str]] = [
     (["dataset=textdir"], "dataset.path"),
     (["dataset=textdir", "dataset.path=/no/such/folder"], "no such folder"),
     (["dataset=pg19", "dataset.local_path=/no/such/mirror"], "no such file or folder"),
+    (["dataset=textdir", "dataset.path={home}/empty"], "no .txt/.md files under it"),
+    (["dataset.max_tokens=64", "dataset.min_tokens=128"], "raise dataset.max_tokens or lower"),
+    (["budget=null"], "policy rmm needs a budget: set budget=N"),
+    (["policy=h2o", "policy.rho=abc"], "policy.rho must be a number"),
 ]
 
 
@@ -70,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     print(f"{'seconds':>8s}  {'ok':3s}  overrides -> message")
     with tempfile.TemporaryDirectory() as home:
+        os.mkdir(os.path.join(home, "empty"))
         for overrides, expected in CASES:
-            seconds, code, output = run_case(overrides, home)
+            seconds, code, output = run_case([o.replace("{home}", home) for o in overrides], home)
             lines = [line for line in output.strip().splitlines() if line.strip()]
             message = next((line for line in reversed(lines) if expected in line), lines[-1] if lines else "")
             ok = code != 0 and expected in output and seconds <= args.limit

@@ -11,6 +11,7 @@ restkv/restkv_utils.py) scores, in the paper's configuration.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -105,6 +106,14 @@ def rest_kv_cluster_scores(
     causal = causal.masked_fill(torch.arange(window) < (torch.arange(window) + 1)[:, None], 0.0)
     logits[..., -window:] += causal
     attn = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [1, heads, window, q_len]
+    return scores_from_attention(attn, value, wo, window, capacity, kernel, alpha, scale)
+
+
+def scores_from_attention(attn, value, wo, window, capacity, kernel=5, alpha=0.3, scale=2000) -> torch.Tensor:
+    """The rest of RestKVCluster.update_kv's scoring, from the window's attention ``attn`` [1, heads,
+    window, q_len] over the keys in position order (the window's own last) and their ``value``."""
+    _, heads, _, q_len = attn.shape
+    head_dim = value.shape[-1]
     rows = attn[..., : q_len - window]  # the window's queries on the keys before it
     m = rows[..., 0, :].clone()  # the code's ema(): started at the first, m = alpha x + (1 - alpha) m
     for i in range(1, window):
@@ -157,6 +166,46 @@ def test_official_scores_equal_rest_kv_cluster(q_len, window, capacity, kernel, 
     scores = policy.score({}, obs, q_len)[0]
     torch.testing.assert_close(scores[:, : q_len - window].float(), expected, rtol=2e-5, atol=1e-6)
     assert torch.isinf(scores[:, q_len - window :]).all()
+
+
+@pytest.mark.parametrize(
+    ("window", "chunk", "kernel", "alpha", "scale", "seed"),
+    [(4, 7, 5, 0.3, 2000, 0), (4, 7, 3, 0.3, 1, 1), (6, 6, 1, 0.5, 3, 2), (2, 5, 5, 0.2, 2, 3)],
+)
+def test_official_scores_equal_rest_kv_cluster_at_a_later_boundary(window, chunk, kernel, alpha, scale, seed):
+    """At a boundary deep in a stream, over a memory's slots (two layers; each head's own retained
+    positions with gaps, in shuffled slots, some empty; more chunk queries than the window), each head's
+    scores equal the transcribed RestKVCluster's over its valid keys in position order."""
+    generator = torch.Generator().manual_seed(seed)
+    layers, heads, head_dim, hidden, n_old, empty, now = 2, 3, 8, 10, 30, 3, 100
+    slots = n_old + chunk + empty
+    key_pos = torch.full((layers, heads, slots), -1)
+    for layer, head in itertools.product(range(layers), range(heads)):
+        old = torch.randperm(now - chunk, generator=generator)[:n_old].sort().values
+        held = torch.cat([old, torch.arange(now - chunk, now), torch.full((empty,), -1)])
+        key_pos[layer, head] = held[torch.randperm(slots, generator=generator)]
+    query_pos = torch.arange(now - chunk, now)
+    visible = (key_pos[:, :, None, :] >= 0) & (key_pos[:, :, None, :] <= query_pos[:, None])
+    logits = torch.randn(layers, heads, chunk, slots, generator=generator, dtype=torch.float64) * 3
+    attention = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
+    values = torch.randn(layers, heads, slots, head_dim, generator=generator, dtype=torch.float64)
+    projection = torch.randn(layers, heads, hidden, head_dim, generator=generator, dtype=torch.float64)
+    obs = Observation(key_pos, query_pos, attention=attention, values=values, output_projection=projection)
+    capacity = n_old + chunk - 16  # B': the oldest candidates compete for fewer slots than they hold
+    params = {"name": "restkv", "variant": "official", "window": window, "kernel": kernel, "alpha": alpha}
+    policy = make_policy({**params, "scale": scale}, budget=capacity + chunk - 1, chunk=chunk)
+    scores = policy.score({}, obs, now)
+    for layer, head in itertools.product(range(layers), range(heads)):
+        order = torch.argsort(torch.where(key_pos[layer, head] >= 0, key_pos[layer, head], now * 2))
+        order = order[: int((key_pos[layer, head] >= 0).sum())]
+        attn = attention[layer, head][-window:, order][None, None]
+        wo = projection[layer, head]  # [hidden, D]: the head's own columns
+        expected = scores_from_attention(
+            attn, values[layer, head][order][None, None], wo, window, capacity, kernel, alpha, scale
+        )[0, 0]
+        got = scores[layer, head][order]
+        torch.testing.assert_close(got[: len(order) - window], expected, rtol=1e-12, atol=0)
+        assert torch.isinf(got[len(order) - window :]).all()
 
 
 def test_official_refuses_grouped_query_attention():
