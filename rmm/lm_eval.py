@@ -12,7 +12,10 @@ Every request is ONE stream through :class:`rmm.engine.StreamingEngine` (no disj
 prefix token as lm-eval's ``hf`` model does, so wikitext-style word and byte perplexities are measured
 under eviction; ``loglikelihood`` streams context + continuation and scores the continuation. Tokens are
 encoded exactly as lm-eval's ``hf`` model (HFLM) encodes them, so with ``policy=full`` both models agree
-to float32 rounding (tests/test_lm_eval.py). Generation is not supported.
+to float32 rounding (tests/test_lm_eval.py) on every request that HFLM scores in one window: a rolling
+document of at most ``max_length`` tokens, and a ``loglikelihood`` request within ``max_length`` (HFLM
+cuts a longer one to the model's context; here it streams whole unless ``max_length`` is given).
+Generation is not supported.
 
 This module imports lm_eval at the top; ``import rmm`` never imports it.
 """
@@ -65,8 +68,9 @@ class RmmLM(TemplateLM):
     device, dtype : ``auto`` (CUDA + bf16 when present, else CPU + fp32), ``cpu``, ``cuda:N``; ``float32``,
         ``bfloat16``. A CUDA device that this machine lacks falls back to the CPU (lm-eval's CLI passes
         ``cuda:0`` by default), as lm-eval's ``hf`` model does.
-    batch_size : lm-eval's ``--batch_size``: an integer N streams N requests side by side in one forward
-        pass (a request's scores do not depend on it beyond fp32 rounding); ``auto`` or none: 4.
+    batch_size : lm-eval's ``--batch_size`` (its command line passes 1 unless told): an integer N streams N
+        requests side by side in one forward pass (a request's scores do not depend on it beyond fp32
+        rounding); ``auto`` or none: 4.
     max_length : None (default): streams are never cut. An integer N: a ``loglikelihood`` request keeps
         its last N + 1 tokens, as HFLM truncates (rolling documents always stream whole).
     add_bos_token, prefix_token_id : as HFLM's (tokenization and the prefix of rolling documents and of
@@ -102,7 +106,7 @@ class RmmLM(TemplateLM):
         budget = None if isinstance(budget, str) and budget.lower() in ("none", "null") else budget
         options = StreamOptions(positions, scope, allocation, layers, batch)  # checked before the model loads
         self.model, self.tokenizer, self.model_context = _load(
-            pretrained, tokenizer, revision, _device(device), dtype
+            pretrained, tokenizer, revision, _device(device), dtype, add_bos_token
         )
         self._device = next(self.model.parameters()).device
         self.policy = make_policy({"name": policy, **policy_params}, budget=budget, chunk=int(chunk))
@@ -173,19 +177,20 @@ class RmmLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         """(summed log-probability of the continuation, whether greedy decoding produces all of it)."""
         sequences = []
-        for _, context, continuation in requests:
+        for strings, context, continuation in requests:
+            if not continuation or len(continuation) > self.max_length:  # HFLM asserts both
+                raise ValueError(
+                    f"request {strings!r}: its continuation encodes to {len(continuation)} tokens; lm-eval's "
+                    f"hf model scores 1 to max_length = {self.max_length} of them (the context takes the "
+                    "continuation's first characters when they merge into one token)"
+                )
             sequence = context + continuation
             if self._max_length is not None:
                 sequence = sequence[-(self._max_length + 1) :]
             sequences.append(sequence)
         results = []
-        streamed = self._stream(
-            [s for s, (_, _, c) in zip(sequences, requests, strict=True) if c], disable_tqdm
-        )
+        streamed = self._stream(sequences, disable_tqdm)
         for strings, _, continuation in requests:
-            if not continuation:
-                results.append((0.0, True))
-                continue
             nll, correct = next(streamed)
             n = len(continuation)
             answer = (-float(nll[-n:].sum()), bool(correct[-n:].all()))
@@ -246,9 +251,18 @@ def _device(name: str | None) -> torch.device:
     return resolve_device(name)
 
 
-def _load(pretrained: Any, tokenizer: Any, revision: str | None, device: torch.device, dtype: str | None):
+def _load(
+    pretrained: Any,
+    tokenizer: Any,
+    revision: str | None,
+    device: torch.device,
+    dtype: str | None,
+    add_bos_token: bool | None = None,
+):
     """(model, tokenizer, the model's context) from a harness model name, a directory, a hub id or a
-    loaded model."""
+    loaded model. A tokenizer loaded here adds its BOS or not as ``add_bos_token`` says (None: its own
+    setting), as HFLM loads its tokenizer with it; a tokenizer handed over is used as it is."""
+    bos = {} if add_bos_token is None else {"add_bos_token": bool(add_bos_token)}
     torch_dtype = resolve_dtype(dtype or "auto", device)
     max_context = None
     if not isinstance(pretrained, str):
@@ -256,7 +270,7 @@ def _load(pretrained: Any, tokenizer: Any, revision: str | None, device: torch.d
             from transformers import AutoTokenizer
 
             source = tokenizer or pretrained.config.name_or_path
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, **bos)
         model = pretrained
     else:
         cfg = model_config(pretrained, revision)
@@ -264,10 +278,12 @@ def _load(pretrained: Any, tokenizer: Any, revision: str | None, device: torch.d
         model, own = load_model(cfg, device, torch_dtype)
         if tokenizer is None:
             tokenizer = own
+            for key, value in bos.items():  # as from_pretrained(..., add_bos_token=) sets it
+                setattr(tokenizer, key, value)
         elif isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer, **bos)
     return model, tokenizer, int(max_context or describe_model(model)["max_position_embeddings"])
 
 

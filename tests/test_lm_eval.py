@@ -161,6 +161,30 @@ def test_generation_is_refused_and_bad_policy_parameters_are_explained(tiny_dir:
         rmm.lm_eval.RmmLM(pretrained=str(tiny_dir), policy="h2o", budget=8, no_such_parameter=1)
 
 
+def test_tokens_and_refusals_as_hflms(tiny_dir: Path, tmp_path: Path) -> None:
+    """add_bos_token reaches a tokenizer loaded from a path as HFLM's reaches its own (the tiny tokenizer's
+    BOS is its EOS text), and a request HFLM refuses (an empty continuation, one longer than max_length) is
+    refused rather than scored."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    tokenizer.bos_token = tokenizer.eos_token
+    tokenizer.save_pretrained(tmp_path)
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    text = "shall i compare thee"
+    for add_bos in (None, True, False):
+        ours = rmm.lm_eval.RmmLM(pretrained=str(tmp_path), device="cpu", add_bos_token=add_bos)
+        theirs = HFLM(pretrained=str(tmp_path), device="cpu", add_bos_token=add_bos)
+        assert ours.tok_encode(text) == theirs.tok_encode(text), add_bos
+        assert (ours.tok_encode(text)[0] == tokenizer.bos_token_id) is bool(add_bos)
+    lm = rmm.lm_eval.RmmLM(pretrained=str(tiny_dir), device="cpu", max_length=4)
+    with pytest.raises(ValueError, match="encodes to 0 tokens"):
+        lm._loglikelihood_tokens([(("shall i", ""), [5, 6], [])])
+    with pytest.raises(
+        ValueError, match="encodes to 5 tokens; lm-eval's hf model scores 1 to max_length = 4"
+    ):
+        lm._loglikelihood_tokens([(("shall", " i compare thee to"), [5], [6, 7, 8, 9, 10])])
+
+
 @pytest.mark.slow  # a fresh interpreter; lm-eval's command line indexes its thousands of task files (14 s)
 def test_the_command_line(tiny_dir: Path, tiny_tasks: Path, tmp_path: Path) -> None:
     """``python -m rmm.lm_eval`` is lm-eval's command line with the rmm model registered, offline."""
