@@ -244,7 +244,14 @@ def _reuse_documents(
         }
         docs.append(Document(f"reuse-{index:04d}", torch.from_numpy(stream.tokens), meta, stream.segments))
     if dataset.stream == "concat":
-        docs = [_concatenate(docs, dataset.max_tokens)]
+        total = sum(len(d.tokens) for d in docs)
+        if dataset.max_tokens is not None and total > dataset.max_tokens:  # a truncation would cut a record
+            raise ValueError(
+                f"dataset=reuse with stream=concat: the {len(docs)} streams joined are {total} tokens, more "
+                f"than dataset.max_tokens={dataset.max_tokens}; raise it (or set it to null), lower "
+                "dataset.n_docs, or use dataset.stream=per_doc"
+            )
+        docs = [_concatenate(docs, None)]
     return docs, DatasetStats(len(docs), 0, sum(len(d.tokens) for d in docs))
 
 

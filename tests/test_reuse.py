@@ -145,6 +145,11 @@ def test_decoy_fraction_gaps_and_concat(tok, filler_dir, tmp_path, overrides) ->
     docs = load(cfg, tok, tmp_path)
     assert torch.equal(concat.tokens, torch.cat([d.tokens for d in docs]))
     assert list(concat.segments) == [s for d in docs for s in d.segments]
+    total = len(concat.tokens)  # joined streams longer than max_tokens: refused, never cut mid-record
+    with pytest.raises(ValueError, match=f"streams joined are {total} tokens, more than dataset.max_tokens"):
+        load({**cfg, "stream": "concat", "max_tokens": total - 1}, tok, tmp_path)
+    (fits,) = load({**cfg, "stream": "concat", "max_tokens": total}, tok, tmp_path)
+    assert torch.equal(fits.tokens, concat.tokens)
 
 
 @pytest.mark.parametrize(
