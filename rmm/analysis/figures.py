@@ -473,7 +473,8 @@ def cumulative_ppl(
     ax.set_yscale("log")
     ax.set_title(
         f"Cumulative perplexity at B={chosen:g} — {_setting_title(frame)}\n"
-        "best configuration per policy; bars: 95 % interval of each run's ppl",
+        "each policy's best configuration: its lowest ppl on these tokens\n"
+        "bars: 95 % interval of each run's ppl",
         fontsize=10,
     )
     _legend(fig, ax)

@@ -138,20 +138,32 @@ def _errorbar(ax: plt.Axes, x: Any, rows: pd.DataFrame, **style: Any) -> None:
     ax.errorbar(x, rows["nll_recall"], yerr=[low, high], capsize=3, marker="o", **style)
 
 
+# the oracle's variants as the reference lines name and dash them
+ORACLE_LINES = {
+    "next_use": ("oracle (Belady)", "--"),
+    "future_mass": ("oracle (future mass)", "-."),
+    "future_utility": ("smoother", (0, (1, 1))),
+}
+
+
 def _reference_lines(ax: plt.Axes, group: pd.DataFrame, budget: float) -> None:
+    """A horizontal line (and its interval) for each reference run at ``budget`` (full: at any): one per
+    oracle variant run there, each named."""
     for policy in REFERENCES:
         color = policy_color(policy)
         runs = group[(group["policy"] == policy) & ((group["budget"] == budget) | (policy == "full"))]
-        if runs.empty:
-            continue
-        row = runs.iloc[0]
-        ax.axhline(row["nll_recall"], color=color, linestyle="--", linewidth=1, label=policy)
-        ax.axhspan(row["nll_recall_ci_low"], row["nll_recall_ci_high"], color=color, alpha=0.08)
+        if policy != "oracle":
+            runs = runs.iloc[:1]
+        for _, row in runs.iterrows():
+            label, dash = ORACLE_LINES[row["policy.variant"]] if policy == "oracle" else (policy, "--")
+            ax.axhline(row["nll_recall"], color=color, linestyle=dash, linewidth=1, label=label)
+            ax.axhspan(row["nll_recall_ci_low"], row["nll_recall_ci_high"], color=color, alpha=0.08)
 
 
 def recall_vs_lag(frame: pd.DataFrame, out: Path) -> Path | None:
     """Recall NLL against rmm's lag, one line per weight (accumulate solid, freeze dashed), one panel per
-    budget, with h2o, oracle, full and window as horizontal references (main setting)."""
+    budget, with h2o, each oracle variant run at that budget, full and window as horizontal references
+    (main setting)."""
     group = _main(frame)
     rmm = group[group["policy"] == "rmm"]
     if rmm.empty:
@@ -172,7 +184,7 @@ def recall_vs_lag(frame: pd.DataFrame, out: Path) -> Path | None:
     handles, labels = axes[0][-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, bbox_to_anchor=(0.5, -0.02), frameon=False)
     fig.suptitle(f"{_setting_name(group.assign(decoy_fraction=decoy_fraction(group)).iloc[0])}", fontsize=9)
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.tight_layout(rect=(0, 0.2, 1, 1))  # the legend's three rows below the panels
     return _save(fig, out, "recall_vs_lag")
 
 
@@ -200,7 +212,7 @@ def recall_vs_decoys(frame: pd.DataFrame, out: Path) -> Path | None:
     if not drawn:
         plt.close(fig)
         return None
-    ax.set_xlabel("decoy fraction (decoys / records)")
+    ax.set_xlabel("decoy fraction (decoys / (records + decoys))")
     ax.set_ylabel("recall NLL (nats per code token)")
     ax.set_title(f"B=128, recall_gap {MAIN['dataset.recall_gap']}", fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
