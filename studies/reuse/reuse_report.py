@@ -155,7 +155,12 @@ def _reference_lines(ax: plt.Axes, group: pd.DataFrame, budget: float) -> None:
         if policy != "oracle":
             runs = runs.iloc[:1]
         for _, row in runs.iterrows():
-            label, dash = ORACLE_LINES[row["policy.variant"]] if policy == "oracle" else (policy, "--")
+            variant = row.get("policy.variant")  # absent or empty: the oracle's default, next_use
+            label, dash = (
+                ORACLE_LINES[variant if isinstance(variant, str) else "next_use"]
+                if policy == "oracle"
+                else (policy, "--")
+            )
             ax.axhline(row["nll_recall"], color=color, linestyle=dash, linewidth=1, label=label)
             ax.axhspan(row["nll_recall_ci_low"], row["nll_recall_ci_high"], color=color, alpha=0.08)
 
