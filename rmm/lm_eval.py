@@ -278,8 +278,8 @@ def _load(
         model, own = load_model(cfg, device, torch_dtype)
         if tokenizer is None:
             tokenizer = own
-            for key, value in bos.items():  # as from_pretrained(..., add_bos_token=) sets it
-                setattr(tokenizer, key, value)
+            if add_bos_token is not None:  # as from_pretrained(..., add_bos_token=) sets it
+                tokenizer.add_bos_token = bool(add_bos_token)
         elif isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
