@@ -145,6 +145,17 @@ def compare(result, sets, ref_nll, ref_correct, ref_sets) -> dict[str, float]:
     }
 
 
+def _as_loaded(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on ``device`` in ``dtype`` as ``from_pretrained(dtype=)`` (rmm.models) gives it: its rotary
+    frequencies (``*inv_freq``) stay float32."""
+    kept = {name: buffer for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
+    model.to(device=device, dtype=dtype)
+    for name, buffer in kept.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buffer.to(device))
+    return model
+
+
 def reference_matrix(
     device: torch.device,
     dtypes: list[torch.dtype],
@@ -167,7 +178,7 @@ def reference_matrix(
         ref_nll, ref_correct = reference_stream(reference_model, tokens, spec)
         for dtype in dtypes:
             if (arch, dtype) not in engine_models:
-                engine_models[arch, dtype] = tiny_model(arch).to(device=device, dtype=dtype)
+                engine_models[arch, dtype] = _as_loaded(tiny_model(arch), device, dtype)
             model = engine_models[arch, dtype]
             result, sets = engine_run(model, tokens.to(device), name, params, chunk, positions)
             row = compare(result, sets, ref_nll, ref_correct, spec.retained_log)

@@ -489,7 +489,12 @@ def _attention_with_sinks(
     flat = q.reshape(rows, n_kv, group * n_q, head_dim)
     sink_keys = keys[:, :, :n_sinks].transpose(-1, -2)  # [N, H, D, n]
     blocked = kv_memory.blocked_mask(layer)[:, :, None, :, :n_sinks]  # [N, H or 1, 1, Q, n]
-    sink_logits = torch.matmul(sink_query, sink_keys[:, :, None]).float() * scaling  # [N, H, G, Q, n]
+    # the sink logits in float32 at least from the start (n columns, cheap): a bfloat16 product would round
+    # them before they enter the sum, and their difference from the plain logits below again
+    wide = torch.promote_types(q.dtype, torch.float32)
+    sink_keys = sink_keys.to(wide)
+    sink_logits = torch.matmul(sink_query.to(wide), sink_keys[:, :, None]) * scaling  # [N, H, G, Q, n]
+    sink_logits = sink_logits.float()
     sink_logits = sink_logits.masked_fill(blocked, float("-inf")).reshape(rows, n_kv, group * n_q, n_sinks)
     other_bias = kv_memory.folded_mask(layer, group, bias=True)  # [N, H or 1, G * Q, S]
     if _cpu_kernel_with_lse(q) and values.shape[-1] == head_dim:
@@ -499,7 +504,7 @@ def _attention_with_sinks(
         total = torch.logaddexp(lse.float(), torch.logsumexp(sink_logits, dim=-1))  # [N, H, G * Q]
         sink_out = torch.matmul(torch.exp(sink_logits - total[..., None]), values[:, :, :n_sinks].float())
         return (out.float() * torch.exp(lse.float() - total)[..., None] + sink_out).to(values.dtype)
-    plain_logits = torch.matmul(flat, sink_keys).float() * scaling
+    plain_logits = (torch.matmul(flat.to(wide), sink_keys) * scaling).float()
     bias = other_bias.expand(rows, n_kv, -1, -1).clone()
     bias[..., :n_sinks] = (sink_logits - plain_logits).to(bias.dtype)
     return F.scaled_dot_product_attention(flat, keys, values, attn_mask=bias, scale=scaling)

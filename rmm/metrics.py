@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-import psutil
 import torch
-from scipy.stats import spearmanr
 
 
 @dataclass
@@ -188,6 +186,8 @@ class PeakMemory:
 
     def sample(self) -> None:
         if self.device.type != "cuda":
+            import psutil  # here: the GPU check runs without it (docs/gpu.md)
+
             self.peak = max(self.peak, psutil.Process().memory_info().rss)
 
     def bytes(self) -> int:
@@ -205,6 +205,8 @@ def estimator_spearman(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float 
     reuse = torch.cat([p[1] for p in pairs]).double().numpy()
     if len(scores) < 3:
         return None
+    from scipy.stats import spearmanr  # here: the GPU check runs without scipy (docs/gpu.md)
+
     value = spearmanr(scores, reuse).statistic
     return None if math.isnan(value) else float(value)
 

@@ -276,11 +276,13 @@ def _load_pretrained(
     local_files_only: bool,
     revision: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Tokenizer first (cheap, fails fast when missing), then the model, straight onto ``device``."""
+    """Tokenizer first (cheap, fails fast when missing), then the model, straight onto ``device`` in
+    ``dtype`` as ``from_pretrained`` casts it: what the model keeps in float32 stays so (its rotary
+    frequencies, ``*inv_freq``, which a cast of the whole model to bfloat16 would round by up to 2e-3)."""
     kwargs = {"revision": revision, "local_files_only": local_files_only}
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device, **kwargs)
-    model.to(device=device, dtype=dtype)
+    model.to(device=device)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer

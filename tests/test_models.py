@@ -148,10 +148,16 @@ def test_load_model_warms_the_vector_math_before_the_model_loads(monkeypatch: py
 
 
 def test_local_casts_dtype(tiny_model: tuple[Path, torch.nn.Module, object]) -> None:
-    path, _, _ = tiny_model
+    """Parameters in the dtype asked for; the rotary frequencies stay float32, as from_pretrained keeps
+    them (a cast of the whole model would round them to bfloat16)."""
+    path, reference, _ = tiny_model
     model, _ = load_model({"source": "local", "path": str(path)}, CPU, torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.device == CPU
+    frequencies = {name: b for name, b in model.named_buffers() if name.endswith("inv_freq")}
+    assert frequencies and all(b.dtype == torch.float32 for b in frequencies.values())
+    expected = dict(reference.named_buffers())
+    assert all(torch.equal(b, expected[name]) for name, b in frequencies.items())
 
 
 def test_path_overrides_hub_source(tiny_model: tuple[Path, torch.nn.Module, object]) -> None:
