@@ -195,8 +195,9 @@ class ReSTKV(ScorePolicy):
         in_order = torch.gather(raw, -1, order)
         index = torch.arange(raw.shape[-1], device=raw.device)
         pooled = torch.zeros_like(raw)
-        half = kernel // 2
-        for d in range(-int(half.max()), int(half.max()) + 1):
+        half = kernel // 2  # at most max(k // 2, (S - 1) // scale): t is a mean of index differences < S
+        widest = max(self.kernel // 2, (raw.shape[-1] - 1) // self.scale)  # a host bound: no read of half
+        for d in range(-widest, widest + 1):
             at = (index + shift[..., None] + d).clamp(min=0)
             at = torch.minimum(at, (n - 1).clamp(min=0))
             term = torch.gather(in_order, -1, at)

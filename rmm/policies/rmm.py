@@ -207,7 +207,9 @@ class RMM(ScorePolicy):
             choice = self.choice()
             if self._record is not None:
                 self._record["boundaries"].append(now)
-                self._record["counts"].append(torch.bincount(choice.flatten(), minlength=len(self.lags) + 1))
+                # counted on the device (torch.bincount reads its input's range on the host: a GPU sync)
+                each = torch.arange(len(self.lags) + 1, device=choice.device)
+                self._record["counts"].append((choice.flatten()[:, None] == each).sum(dim=0))
             arms = self._arms(state, obs.key_pos, now)
             return torch.gather(arms, 0, choice[None, ..., None].expand_as(arms[:1]))[0]
         utility = state["utility"].clone()

@@ -172,8 +172,10 @@ def _layer_best(
     """Mask [L, H, S] of the best ``sum_h (capacity - floor)`` ``eligible`` slots of each layer, compared
     across its heads: higher score, then more recent position, then lower head index."""
     n_layers, n_heads, n_slots = scores.shape
-    per_head = torch.as_tensor(capacity, device=scores.device).expand(n_layers, n_heads, 1)
-    room = (per_head - floor).sum(dim=(1, 2))
+    if isinstance(capacity, int):  # a host number: no copy to the device (a wait for it on a GPU)
+        room = torch.full((n_layers,), n_heads * (capacity - floor), device=scores.device)
+    else:
+        room = (capacity.to(scores.device).expand(n_layers, n_heads, 1) - floor).sum(dim=(1, 2))
     flat = lambda x: x.reshape(n_layers, n_heads * n_slots)  # noqa: E731 (head-major: lower heads first)
     order = torch.arange(n_heads * n_slots, device=scores.device).expand(n_layers, -1)
     for key in (flat(key_pos), flat(scores), flat(eligible).to(torch.int8)):  # least significant first
