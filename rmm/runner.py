@@ -101,7 +101,8 @@ def _resume(run_dir: Path, config: dict, cfg: DictConfig) -> dict[str, Any]:
     ``device=auto`` and ``dtype=auto`` resolve to here."""
     _check_same(run_dir, config, "holds complete results of a different configuration")
     metrics = read_metrics(run_dir)
-    stored = (str(metrics.get("device", "")).split(":")[0], metrics.get("dtype"))
+    device_name = metrics.get("device")  # absent from runs older than the field: nothing to compare
+    stored = (None if device_name is None else str(device_name).split(":")[0], metrics.get("dtype"))
     device = resolve_device("auto").type if str(cfg.device).lower() == "auto" else stored[0]
     here = (device, str(resolve_dtype(cfg.dtype, device)).removeprefix("torch."))
     if None not in stored and stored != here:
